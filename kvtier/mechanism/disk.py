@@ -1,0 +1,166 @@
+"""Disk tier: a preallocated slab file of fixed aligned slots plus an LMDB index.
+
+The index maps (namespace, key) to the slot, length, checksum, parent key, layout and a
+write sequence number, so the tier's content survives a restart. Ordering rule: a page's
+bytes are written (and, with `fsync`, flushed) before its index entry commits, and every read
+is checked against the checksum; a crash between the two leaves either no entry or an entry
+whose checksum fails, and a failing page is dropped and counted, never returned.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import lmdb
+import xxhash
+from kvtier_client.layout import PageLayout
+
+from kvtier.mechanism.directio import open_direct
+
+log = logging.getLogger(__name__)
+
+_VALUE = struct.Struct("<IIQQ12sB")  # slot, length, checksum, seq, layout_id, len(parent)
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """One page's index entry. `checksum` is xxh3-64 of the page's `length` bytes."""
+
+    namespace: str
+    key: bytes
+    slot: int
+    parent: bytes | None = None
+    length: int = 0
+    checksum: int = 0
+    seq: int = 0
+
+
+def _encode_key(namespace: str, key: bytes) -> bytes:
+    ns = namespace.encode()
+    return len(ns).to_bytes(2, "little") + ns + key
+
+
+def _decode_key(raw: bytes) -> tuple[str, bytes]:
+    n = int.from_bytes(raw[:2], "little")
+    return raw[2 : 2 + n].decode(), bytes(raw[2 + n :])
+
+
+class DiskTier:
+    """The slab file and its index for one layout. Byte movement only; the core decides."""
+
+    def __init__(self, directory: str, layout: PageLayout, pages: int, *, fsync: bool = True) -> None:
+        if pages <= 0:
+            raise ValueError(f"disk tier needs at least one page, got {pages}")
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.layout = layout
+        self.pages = pages
+        self.fsync = fsync
+        self.corrupt_pages = 0
+        self._env = lmdb.open(
+            os.path.join(directory, "index.lmdb"),
+            map_size=max(64 << 20, pages * 1024),
+            max_dbs=2,
+            sync=fsync,
+            metasync=fsync,
+        )
+        self._db = self._env.open_db(b"pages")
+        self._meta = self._env.open_db(b"meta")
+        self._check_meta()
+        self._seq = self._max_seq()
+        self.slab_path = os.path.join(directory, "slab.bin")
+        self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
+        size = pages * layout.slot_bytes
+        if os.fstat(self._fd).st_size > size:
+            os.ftruncate(self._fd, size)
+        os.posix_fallocate(self._fd, 0, size)
+        self._drop_out_of_range()
+
+    # -- set-up ---------------------------------------------------------------
+    def _check_meta(self) -> None:
+        with self._env.begin(write=True, db=self._meta) as txn:
+            stored = txn.get(b"layout")
+            mine = repr(self.layout).encode()
+            if stored is None:
+                txn.put(b"layout", mine)
+            elif stored != mine:
+                raise ValueError(
+                    f"disk tier at {self.directory} holds pages of {stored.decode()}, not {self.layout}; "
+                    "point this layout at another directory or remove that one"
+                )
+
+    def _max_seq(self) -> int:
+        return max((r.seq for r in self.records()), default=0)
+
+    def _drop_out_of_range(self) -> None:
+        """After the tier shrank, forget entries whose slot is gone."""
+        gone = [r for r in self.records() if r.slot >= self.pages]
+        if gone:
+            log.warning("disk tier shrank to %d pages: forgetting %d pages beyond it", self.pages, len(gone))
+            self.forget(gone)
+
+    # -- index ----------------------------------------------------------------
+    def records(self) -> Iterator[DiskRecord]:
+        """Every indexed page, in key order."""
+        with self._env.begin(db=self._db) as txn:
+            for raw_key, value in txn.cursor():
+                namespace, key = _decode_key(raw_key)
+                slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
+                parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
+                yield DiskRecord(namespace, key, slot, parent, length, checksum, seq)
+
+    def forget(self, records: Iterable[DiskRecord]) -> None:
+        """Remove index entries; their slots' bytes are simply overwritten later."""
+        with self._env.begin(write=True, db=self._db) as txn:
+            for r in records:
+                txn.delete(_encode_key(r.namespace, r.key))
+
+    # -- bytes ----------------------------------------------------------------
+    def write_pages(self, items: Sequence[tuple[DiskRecord, memoryview]]) -> list[DiskRecord]:
+        """Write each page's slot from an aligned source (a host slot), then commit the index.
+
+        Returns the records as stored (with length, checksum and sequence filled in).
+        """
+        length = self.layout.page_bytes
+        stored: list[DiskRecord] = []
+        for record, src in items:
+            if len(src) != self.layout.slot_bytes:
+                raise ValueError(f"source must be one whole slot of {self.layout.slot_bytes} bytes")
+            written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
+            if written != len(src):
+                raise OSError(f"short write to {self.slab_path}: {written} of {len(src)} bytes")
+            self._seq += 1
+            stored.append(
+                replace(record, length=length, checksum=xxhash.xxh3_64_intdigest(src[:length]), seq=self._seq)
+            )
+        if self.fsync and stored:
+            os.fdatasync(self._fd)
+        with self._env.begin(write=True, db=self._db) as txn:
+            for r in stored:
+                parent = r.parent or b""
+                value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
+                txn.put(_encode_key(r.namespace, r.key), value + parent)
+        return stored
+
+    def read_page(self, record: DiskRecord, dest: memoryview) -> bool:
+        """Read a page into an aligned destination slot and verify it.
+
+        False means the page is corrupt or torn: the caller must drop it (and it is counted).
+        """
+        if len(dest) != self.layout.slot_bytes:
+            raise ValueError(f"destination must be one whole slot of {self.layout.slot_bytes} bytes")
+        got = os.preadv(self._fd, [dest], record.slot * self.layout.slot_bytes)
+        if got != len(dest) or xxhash.xxh3_64_intdigest(dest[: record.length]) != record.checksum:
+            self.corrupt_pages += 1
+            log.warning("dropping corrupt page in slot %d of %s", record.slot, self.slab_path)
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._env.close()

@@ -1,0 +1,95 @@
+"""Prefix-aware LRU: least recently used among blocks with no cached descendant in this tier.
+
+A block whose child is cached in the tier is never chosen, so a cached suffix is never
+orphaned from its prefix (a suffix without its prefix can never be hit: lookups match
+prefixes). Choosing a leaf can make its parent a leaf; `victims` accounts for that within
+one call, so a cold branch can go in one batch, deepest block first.
+
+Only leaves are candidates, so they live in a min-heap keyed by last use. Entries are
+invalidated lazily (a touch pushes a fresh entry; a stale one is skipped when popped),
+which keeps every operation O(log n) instead of scanning past the many inner blocks of a
+prefix tree on each eviction.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from kvtier.policy.base import Ref
+
+
+class PrefixLRUPolicy:
+    name = "prefix"
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._last_use: dict[Ref, int] = {}  # refs cached in this tier -> tick of last use
+        self._parent: dict[Ref, Ref | None] = {}
+        # parent ref -> number of its children cached in this tier (the parent itself
+        # may or may not be in this tier).
+        self._children: dict[Ref, int] = {}
+        self._leaves: list[tuple[int, Ref]] = []  # (last use, ref), possibly stale
+
+    def _stamp(self, ref: Ref) -> None:
+        self._clock += 1
+        self._last_use[ref] = self._clock
+        if not self._children.get(ref):
+            heapq.heappush(self._leaves, (self._clock, ref))
+
+    def add(self, ref: Ref, parent: Ref | None) -> None:
+        self._parent[ref] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._stamp(ref)
+
+    def touch(self, ref: Ref) -> None:
+        self._stamp(ref)
+
+    def remove(self, ref: Ref) -> None:
+        del self._last_use[ref]
+        parent = self._parent.pop(ref)
+        if parent is None:
+            return
+        left = self._children[parent] - 1
+        if left:
+            self._children[parent] = left
+            return
+        del self._children[parent]
+        if parent in self._last_use:  # the parent is now a leaf here
+            heapq.heappush(self._leaves, (self._last_use[parent], parent))
+
+    def victims(self, n: int, pinned: Callable[[Ref], bool]) -> list[Ref]:
+        chosen: list[Ref] = []
+        keep: list[tuple[int, Ref]] = []  # valid leaf entries popped here, pushed back at the end
+        seen: set[Ref] = set()
+        gone: dict[Ref, int] = {}  # children of a ref chosen in this call
+        while len(chosen) < n and self._leaves:
+            entry = heapq.heappop(self._leaves)
+            tick, ref = entry
+            if ref in seen or self._last_use.get(ref) != tick:
+                continue  # stale: touched since, or gone
+            if self._children.get(ref, 0) - gone.get(ref, 0):
+                continue  # not a leaf any more; pushed again when its last child leaves
+            seen.add(ref)
+            keep.append(entry)
+            if pinned(ref):
+                continue
+            chosen.append(ref)
+            parent = self._parent[ref]
+            if parent is not None and parent in self._last_use:
+                gone[parent] = gone.get(parent, 0) + 1
+                if self._children[parent] == gone[parent]:
+                    heapq.heappush(self._leaves, (self._last_use[parent], parent))
+        for entry in keep:
+            heapq.heappush(self._leaves, entry)
+        if len(self._leaves) > 4 * len(self._last_use) + 1024:
+            self._compact()
+        return chosen
+
+    def _compact(self) -> None:
+        """Drop stale heap entries so the heap stays proportional to the tier."""
+        self._leaves = [(t, r) for r, t in self._last_use.items() if not self._children.get(r)]
+        heapq.heapify(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._last_use)

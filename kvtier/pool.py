@@ -1,0 +1,69 @@
+"""A pool: one page layout's tiers wired to its block store.
+
+This is the only place that builds mechanism objects for the core; the daemon holds one
+pool per registered layout (pages of different layouts never share an arena).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvtier_client.layout import PageLayout
+
+from kvtier.core.store import BlockStore
+from kvtier.mechanism.disk import DiskTier
+from kvtier.mechanism.host import HostArena
+from kvtier.mechanism.mover import ArenaMover
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Capacities and behaviour of one layout's tiers."""
+
+    host_bytes: int
+    disk_bytes: int = 0
+    disk_dir: str | None = None
+    policy: str = "lru"
+    write_through: bool = False  # copy to disk at commit (True) or only when evicted from host (False)
+    fsync: bool = True  # flush page data before its index entry commits
+    arena_prefix: str = "kvtier"  # host arenas are /dev/shm/<prefix>-<layout id>
+
+
+class Pool:
+    def __init__(self, layout: PageLayout, config: PoolConfig) -> None:
+        host_pages = layout.pages_in(config.host_bytes, "host")
+        disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
+        if disk_pages and not config.disk_dir:
+            raise ValueError("a disk tier needs a directory: set disk_dir")
+        self.layout = layout
+        self.config = config
+        self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages)
+        self.disk: DiskTier | None = None
+        try:
+            if disk_pages:
+                self.disk = DiskTier(os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages, fsync=config.fsync)
+            self.store = BlockStore(
+                layout,
+                host_pages=host_pages,
+                disk_pages=disk_pages,
+                mover=ArenaMover(self.host, self.disk),
+                policy=config.policy,
+                write_through=config.write_through,
+                recovered=self.disk.records() if self.disk else (),
+            )
+        except BaseException:
+            self._close_tiers()
+            raise
+
+    def close(self) -> None:
+        """Save host-only pages to disk, remove the host arena, close the disk index.
+
+        Disk pages stay for the next start; host residency does not survive a restart.
+        """
+        self.store.persist()
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        self.host.close()
