@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (scripts/gen_proto.sh)."""

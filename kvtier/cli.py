@@ -1,0 +1,44 @@
+"""The `kvtier` command line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from kvtier.replay.mooncake import read_trace, replay
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvtier")
+def main() -> None:
+    """kvtier: a KV-cache tiering sidecar for LLM inference."""
+
+
+@main.command("replay")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, help="Host tier capacity in pages (512-token blocks).")
+@click.option("--disk-pages", type=click.IntRange(min=0), default=0, show_default=True, help="Disk tier capacity in pages; 0 for no disk tier.")
+@click.option("--policy", type=click.Choice(["lru", "prefix"]), default="lru", show_default=True, help="Eviction policy of every tier.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def replay_command(trace: str, host_pages: int, disk_pages: int, policy: str, as_json: bool) -> None:
+    """Replay a Mooncake-format TRACE through the block index and policies (no bytes moved)
+    and report the block hit rate, overall and per tier."""
+    try:
+        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=policy)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    data = result.as_dict()
+    if as_json:
+        click.echo(json.dumps(data))
+        return
+    click.echo(f"trace          {os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks")
+    click.echo(f"tiers          host {host_pages} pages, disk {disk_pages} pages, policy {policy}")
+    click.echo(f"block hit rate {data['block_hit_rate']:.4f}")
+    for tier, rate in data["tier_hit_rates"].items():
+        click.echo(f"  from {tier:<8} {rate:.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

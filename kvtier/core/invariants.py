@@ -1,0 +1,87 @@
+"""The store's invariants, checked from the outside. Tests run this after every step; an
+operator can run it through `kvtier` debugging tools. A violation is a bug, never a user error.
+
+1. Every slot of every tier is exactly one of free, writing (write-leased) or cached.
+2. free + writing + cached == capacity, per tier.
+3. No two blocks share a slot; every block has at least one copy.
+4. The policy tracks exactly the tier's cached copies.
+5. Pins equal the read leases that hold each copy; write-leased slots equal the write leases'.
+6. Every lease belongs to its session's set and nothing else does.
+7. The disk tier's persistent index (LMDB) names exactly the disk copies, at the same slots.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from kvtier_client.tiers import Tier
+
+from kvtier.core.store import BlockStore, LeaseKind
+from kvtier.mechanism.disk import DiskRecord
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantViolation(message)
+
+
+def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | None = None) -> None:
+    """Raise InvariantViolation naming the first broken rule. `disk_records` is the disk
+    tier's persisted index (DiskTier.records()); pass it to check rule 7."""
+    for ref, block in store.blocks.items():
+        _require(block.ref == ref, f"block filed under {ref} calls itself {block.ref}")
+        _require(bool(block.copies), f"block {ref} has no copy in any tier")
+
+    pins: Counter[tuple[Tier, tuple]] = Counter()
+    writing: dict[Tier, set[int]] = {t: set() for t in store.tiers}
+    for lease_id, lease in store.leases.items():
+        _require(lease.lease_id == lease_id, f"lease filed under {lease_id} calls itself {lease.lease_id}")
+        _require(lease_id in store.sessions.get(lease.session, ()), f"lease {lease_id} missing from its session")
+        if lease.kind is LeaseKind.WRITE:
+            overlap = writing[lease.tier] & set(lease.slots)
+            _require(not overlap, f"slots {sorted(overlap)} are in two write leases")
+            writing[lease.tier].update(lease.slots)
+        else:
+            for ref in lease.refs:
+                _require(ref in store.blocks and lease.tier in store.blocks[ref].copies, f"read lease {lease_id} holds a missing copy {ref}")
+                pins[(lease.tier, ref)] += 1
+    for session, ids in store.sessions.items():
+        _require(bool(ids), f"session {session} is listed with no leases")
+        for lease_id in ids:
+            _require(lease_id in store.leases and store.leases[lease_id].session == session, f"session {session} lists lease {lease_id} it does not own")
+
+    for tier, state in store.tiers.items():
+        capacity = state.slots.capacity
+        cached = {}
+        pinned = 0
+        for ref, block in store.blocks.items():
+            copy = block.copies.get(tier)
+            if copy is None:
+                continue
+            _require(0 <= copy.slot < capacity, f"{tier.label} copy of {ref} has slot {copy.slot} outside 0..{capacity - 1}")
+            _require(copy.slot not in cached, f"{tier.label} slot {copy.slot} holds both {cached.get(copy.slot)} and {ref}")
+            cached[copy.slot] = ref
+            _require(copy.pins == pins[(tier, ref)], f"{tier.label} copy of {ref} has {copy.pins} pins but {pins[(tier, ref)]} read leases")
+            pinned += copy.pins > 0
+        free = set(state.slots.free_slots())
+        _require(len(free) == state.slots.free_count, f"{tier.label} free list has duplicates")
+        _require(state.writing == writing[tier], f"{tier.label} writing slots {sorted(state.writing)} differ from the write leases' {sorted(writing[tier])}")
+        _require(not free & state.writing, f"{tier.label} slots {sorted(free & state.writing)} are both free and leased")
+        _require(not free & cached.keys(), f"{tier.label} slots {sorted(free & cached.keys())} are both free and cached")
+        _require(not state.writing & cached.keys(), f"{tier.label} slots {sorted(state.writing & cached.keys())} are both leased and cached")
+        _require(
+            len(free) + len(state.writing) + len(cached) == capacity,
+            f"{tier.label}: free {len(free)} + writing {len(state.writing)} + cached {len(cached)} != capacity {capacity}",
+        )
+        _require(state.cached == len(cached), f"{tier.label} counts {state.cached} cached pages, index has {len(cached)}")
+        _require(state.pinned == pinned, f"{tier.label} counts {state.pinned} pinned pages, index has {pinned}")
+        _require(len(state.policy) == len(cached), f"{tier.label} policy tracks {len(state.policy)} pages, tier caches {len(cached)}")
+
+    if disk_records is not None and Tier.DISK in store.tiers:
+        persisted = {((r.namespace, r.key), r.slot) for r in disk_records}
+        indexed = {(ref, b.copies[Tier.DISK].slot) for ref, b in store.blocks.items() if Tier.DISK in b.copies}
+        _require(persisted == indexed, f"disk index and LMDB disagree: only in LMDB {sorted(persisted - indexed)[:3]}, only in index {sorted(indexed - persisted)[:3]}")
