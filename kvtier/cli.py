@@ -7,13 +7,20 @@ import sys
 
 import click
 
+from kvtier.admin import health_check, stats
 from kvtier.replay.mooncake import read_trace, replay
+from kvtier.server.cli import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvtier")
 def main() -> None:
     """kvtier: a KV-cache tiering sidecar for LLM inference."""
+
+
+main.add_command(serve)
+main.add_command(stats)
+main.add_command(health_check)
 
 
 @main.command("replay")

@@ -22,7 +22,8 @@ request that cannot be met raises CapacityError with every structure untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import wraps
@@ -209,8 +210,8 @@ class BlockStore:
     @_locked
     def lookup(self, namespace: str, keys: list[bytes]) -> LookupResult:
         """The longest cached prefix of `keys` and the fastest tier of each of its blocks."""
-        _check_namespace(namespace)
-        _check_keys(keys)
+        check_namespace(namespace)
+        check_keys(keys)
         tiers: list[Tier] = []
         for key in keys:
             block = self.blocks.get((namespace, key))
@@ -244,7 +245,7 @@ class BlockStore:
     @_locked
     def borrow(self, session: str, namespace: str, n: int) -> WriteLease:
         """A write lease on n free host pages, evicting or demoting cached pages if needed."""
-        _check_namespace(namespace)
+        check_namespace(namespace)
         host = self.tiers[Tier.HOST]
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"borrow needs a positive page count, got {n!r}")
@@ -270,9 +271,9 @@ class BlockStore:
         beyond len(keys) are freed. The lease ends.
         """
         lease = self._get_lease(session, lease_id, LeaseKind.WRITE)
-        _check_keys(keys)
+        check_keys(keys)
         if parent is not None:
-            _check_keys([parent])
+            check_keys([parent])
         if len(keys) > len(lease.slots):
             raise InvalidArgument(
                 f"commit of {len(keys)} keys to lease {lease_id} which holds {len(lease.slots)} pages; "
@@ -314,8 +315,8 @@ class BlockStore:
         fails its checksum while loading is dropped; the call then raises NotFound and
         holds nothing.
         """
-        _check_namespace(namespace)
-        _check_keys(keys)
+        check_namespace(namespace)
+        check_keys(keys)
         if tier != Tier.HOST:
             raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends host pages")
         if len(set(keys)) != len(keys):
@@ -359,6 +360,37 @@ class BlockStore:
         slots = [b.copies[tier].slot for b in blocks]
         lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks])
         return ReadLease(lease.lease_id, tier, tuple(slots), len(missing))
+
+    @_locked
+    def prefetch(self, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST) -> int:
+        """Best effort: load the disk-only pages of `keys` into `tier`, unpinned, in order.
+
+        Stops at the first key that is not cached, at the first corrupt page, or when no
+        more room can be made. Returns how many pages were loaded.
+        """
+        check_namespace(namespace)
+        check_keys(keys)
+        held: list[Block] = []  # pinned while the loop runs, so later keys cannot evict earlier ones
+        try:
+            for key in keys:
+                block = self.blocks.get((namespace, key))
+                if block is None:
+                    break
+                if tier not in block.copies:
+                    self._pin(block, Tier.DISK)
+                    try:
+                        self._make_room(tier, 1)
+                    except CapacityError:
+                        break
+                    finally:
+                        self._unpin(block, Tier.DISK)
+                    if not self._promote(block, tier):
+                        break
+                    held.append(block)
+        finally:
+            for block in held:
+                self._unpin(block, tier)
+        return len(held)
 
     def _promote(self, block: Block, tier: Tier) -> bool:
         """Load a disk copy into a free slot of `tier`, pinned. False if the page was corrupt."""
@@ -425,6 +457,16 @@ class BlockStore:
         for lease_id in ids:
             self._release(self.leases[lease_id])
         return len(ids)
+
+    @contextmanager
+    def lease_slots(self, session: str, lease_id: int, kind: LeaseKind) -> Iterator[tuple[int, ...]]:
+        """Hold the store while the caller touches a lease's pages (the gRPC slow path),
+        so the lease cannot be released under it."""
+        with self._lock:
+            lease = self._get_lease(session, lease_id, None)
+            if lease.kind is not kind:
+                raise FailedPrecondition(f"lease {lease_id} is a {lease.kind.value} lease; this needs a {kind.value} lease")
+            yield tuple(lease.slots)
 
     def _release(self, lease: Lease) -> None:
         state = self.tiers[lease.tier]
@@ -533,12 +575,12 @@ class BlockStore:
             del self.blocks[block.ref]
 
 
-def _check_namespace(namespace: str) -> None:
+def check_namespace(namespace: str) -> None:
     if not isinstance(namespace, str) or not namespace or len(namespace.encode()) > MAX_NAMESPACE_BYTES:
         raise InvalidArgument(f"namespace must be a non-empty string of at most {MAX_NAMESPACE_BYTES} bytes")
 
 
-def _check_keys(keys: list[bytes]) -> None:
+def check_keys(keys: list[bytes]) -> None:
     for i, key in enumerate(keys):
         if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(

@@ -1,0 +1,86 @@
+"""Prometheus metrics. Tier gauges and counters are read from the store at scrape time (one
+source of truth, nothing to keep in sync); RPC latency is observed as calls finish.
+Names: `kvtier_` prefix, base units, `_total` counters (docs/metrics.md lists them all).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from kvtier_client.tiers import Tier
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.core.store import StoreStats
+
+# (pool id, stats) for each pool, plus session and lease counts.
+Snapshot = Callable[[], tuple[list[tuple[str, StoreStats]], int]]
+
+_RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class _StoreCollector:
+    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int]) -> None:
+        self._snapshot = snapshot
+        self._page_bytes = page_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        pools, sessions = self._snapshot()
+        labels = ["pool", "tier"]
+        capacity = GaugeMetricFamily("kvtier_tier_capacity_pages", "Pages a tier can hold.", labels=labels)
+        capacity_bytes = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes of KV a tier can hold.", labels=labels)
+        pages = GaugeMetricFamily(
+            "kvtier_tier_pages", "Pages of a tier by state: free, writing (borrowed), cached, pinned (cached and read-leased).",
+            labels=[*labels, "state"],
+        )
+        hits = CounterMetricFamily("kvtier_hits", "Looked-up blocks whose fastest copy was in this tier.", labels=labels)
+        misses = CounterMetricFamily("kvtier_misses", "Looked-up blocks not cached in any tier.", labels=["pool"])
+        evictions = CounterMetricFamily("kvtier_evictions", "Copies removed from a tier to make room.", labels=labels)
+        promotions = CounterMetricFamily("kvtier_promotions", "Copies made in a tier from a slower tier.", labels=labels)
+        demotions = CounterMetricFamily("kvtier_demotions", "Copies made in a tier from a faster tier.", labels=labels)
+        moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes copied between tiers.", labels=["pool", "src", "dst"])
+        corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed their checksum.", labels=labels)
+        leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
+        for pool_id, stats in pools:
+            page_bytes = self._page_bytes(pool_id)
+            misses.add_metric([pool_id], stats.miss_blocks)
+            leases.add_metric([pool_id], stats.leases)
+            for t in stats.tiers:
+                lv = [pool_id, t.tier.label]
+                capacity.add_metric(lv, t.capacity)
+                capacity_bytes.add_metric(lv, t.capacity * page_bytes)
+                for state, value in (("free", t.free), ("writing", t.writing), ("cached", t.cached), ("pinned", t.pinned)):
+                    pages.add_metric([*lv, state], value)
+                c = t.counters
+                hits.add_metric(lv, c.hits)
+                evictions.add_metric(lv, c.evictions)
+                promotions.add_metric(lv, c.promotions)
+                demotions.add_metric(lv, c.demotions)
+                corrupt.add_metric(lv, c.corrupt_pages)
+                # Promotions arrive from the next slower tier, demotions from the next faster.
+                if c.promotions:
+                    moved.add_metric([pool_id, Tier(t.tier + 1).label, t.tier.label], c.promotions * page_bytes)
+                if c.demotions:
+                    moved.add_metric([pool_id, Tier(t.tier - 1).label, t.tier.label], c.demotions * page_bytes)
+        session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
+        session_gauge.add_metric([], sessions)
+        yield from (capacity, capacity_bytes, pages, hits, misses, evictions, promotions, demotions, moved, corrupt, leases, session_gauge)
+
+
+class Metrics:
+    """The daemon's registry: store collector plus RPC latency by method and status code."""
+
+    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(snapshot, page_bytes))
+        self.rpc_duration = Histogram(
+            "kvtier_rpc_duration_seconds",
+            "Time to serve an RPC, by method and gRPC status code.",
+            ["method", "code"],
+            buckets=_RPC_BUCKETS,
+            registry=self.registry,
+        )
+
+    def serve(self, host: str, port: int):
+        """Start the /metrics HTTP endpoint; returns (server, thread) for shutdown."""
+        return start_http_server(port, addr=host, registry=self.registry)
+

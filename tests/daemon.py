@@ -1,0 +1,97 @@
+"""Start a real `kvtier serve` process for a test and stop it afterwards.
+
+Tests talk to it over its real Unix socket (or TCP); nothing here imports the server.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+KVTIER = [sys.executable, "-m", "kvtier"]
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    socket: Path
+    cache_dir: Path
+    arena_prefix: str
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Signal the daemon and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon did not stop within {timeout}s after {sig!r}:\n{self.log()}")
+        return self.proc.returncode
+
+
+def wait_serving(target: str, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode} before serving")
+        channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError as exc:
+            last = exc
+        finally:
+            channel.close()
+        time.sleep(0.1)
+    raise AssertionError(f"daemon at {target} not SERVING after {timeout}s: {last}")
+
+
+def start_daemon(tmp_path: Path, *extra_args: str, host_size: str = "16MiB", disk_size: str = "64MiB",
+                 wait: bool = True, env: dict | None = None) -> Daemon:
+    """Run `python -m kvtier serve` on a socket under tmp_path with its own cache dir and arena prefix."""
+    socket = tmp_path / "run" / "kvtier.sock"
+    cache_dir = tmp_path / "cache"
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
+    args = [
+        *KVTIER, "serve",
+        "--socket", str(socket),
+        "--cache-dir", str(cache_dir),
+        "--host-size", host_size,
+        "--disk-size", disk_size,
+        "--arena-prefix", prefix,
+        *extra_args,
+    ]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    full_env.update(env or {})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    daemon = Daemon(proc, socket, cache_dir, prefix, log_path, args)
+    if wait:
+        try:
+            wait_serving(daemon.target, proc=proc)
+        except AssertionError as exc:
+            daemon.stop(signal.SIGKILL)
+            raise AssertionError(f"{exc}\n--- daemon log ---\n{daemon.log()}") from None
+    return daemon
