@@ -8,6 +8,8 @@ import sys
 import click
 
 from kvtier.admin import health_check, stats
+from kvtier.bench.cli import bench
+from kvtier.demo import demo
 from kvtier.replay.mooncake import read_trace, replay
 from kvtier.server.cli import serve
 
@@ -21,6 +23,7 @@ def main() -> None:
 main.add_command(serve)
 main.add_command(stats)
 main.add_command(health_check)
+main.add_command(demo)
 
 
 @main.command("replay")
@@ -46,6 +49,8 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, policy: str, as
     for tier, rate in data["tier_hit_rates"].items():
         click.echo(f"  from {tier:<8} {rate:.4f}")
 
+
+main.add_command(bench)
 
 if __name__ == "__main__":
     sys.exit(main())

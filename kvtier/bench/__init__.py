@@ -1,0 +1,1 @@
+"""Benchmarks that measure kvtier's real tiers against the raw operations they are built on."""

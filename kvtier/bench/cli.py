@@ -1,0 +1,68 @@
+"""`kvtier bench`: measurements of kvtier's own parts on this machine."""
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+from kvtier.bench.tiers import (
+    DEFAULT_BYTES,
+    DEFAULT_PAGE_SIZES,
+    DEFAULT_REPS,
+    QUICK_BYTES,
+    format_size,
+    format_table,
+    parse_size,
+    run_tiers,
+)
+
+
+class _Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of kvtier's tiers against the raw operations they are built on."""
+
+
+@bench.command("tiers")
+@click.option("--pages", type=click.IntRange(min=1), default=None,
+              help=f"Pages per page size and measurement  [default: {format_size(DEFAULT_BYTES)} worth, "
+                   f"{format_size(QUICK_BYTES)} with --quick]")
+@click.option("--page-size", "page_sizes", type=_Size(), multiple=True,
+              help="Page size, e.g. 256KiB or 2MiB; repeatable  [default: 256KiB and 2MiB]")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the disk tier and the raw baseline file go (a temporary subdirectory, removed "
+                   "afterwards)  [default: /var/tmp, a real disk, not tmpfs]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--quick", is_flag=True, help=f"One repetition instead of {DEFAULT_REPS}, and fewer pages unless --pages is given.")
+def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str | None, as_json: bool, quick: bool) -> None:
+    """Host put/get and disk write/read through a real pool (shared-memory arena, disk tier
+    with O_DIRECT and checksums), each next to its baseline in the same run: np.copyto for
+    the host tier, raw O_DIRECT pwrite/pread of the same pages for the disk tier. Prints
+    pages/s, GB/s and the ratio tier / baseline."""
+    progress = (lambda message: None) if as_json else (lambda message: click.echo(f"... {message}", err=True))
+    try:
+        result = run_tiers(
+            page_sizes or DEFAULT_PAGE_SIZES,
+            pages=pages,
+            quick=quick,
+            directory=os.path.abspath(directory) if directory else None,
+            progress=progress,
+        )
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(format_table(result))
