@@ -1,12 +1,55 @@
-"""kvtier client: everything an engine needs to use a kvtier daemon."""
+"""kvtier client: everything an engine needs to use a kvtier daemon.
+
+Import cost stays small: gRPC and numpy, never torch (torch views load it on first use).
+"""
+from kvtier_client.client import KVTierClient, Wait
+from kvtier_client.connection import Backoff, TLSConfig
+from kvtier_client.errors import (
+    CapacityError,
+    DaemonRestarted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, BlockKey, block_keys, hash_fingerprint, root_key
 from kvtier_client.layout import PageLayout
+from kvtier_client.leases import ReadLease, WriteLease
+from kvtier_client.remote import RemotePages
+from kvtier_client.results import CommitResult, LookupResult, PoolInfo, PoolStats, Stats, TierStats
+from kvtier_client.tiers import Tier
 
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_ALGORITHM",
+    "Backoff",
     "BlockKey",
+    "CapacityError",
+    "CommitResult",
+    "DaemonRestarted",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "KVTierClient",
+    "KVTierError",
+    "LookupResult",
+    "NotFound",
     "PageLayout",
+    "PermissionDenied",
+    "PoolInfo",
+    "PoolStats",
+    "ReadLease",
+    "RemotePages",
+    "Stats",
+    "TLSConfig",
+    "Tier",
+    "TierStats",
+    "Unauthenticated",
+    "Unavailable",
+    "Wait",
+    "WriteLease",
     "block_keys",
     "hash_fingerprint",
     "root_key",

@@ -6,6 +6,8 @@ codes back into these classes. Every message says what was wrong and what to do.
 """
 from __future__ import annotations
 
+import grpc
+
 
 class KVTierError(Exception):
     """Base of every kvtier error. `code` names the gRPC status code (grpc.StatusCode member)."""
@@ -51,6 +53,13 @@ class Unavailable(KVTierError):
     code = "UNAVAILABLE"
 
 
+class DaemonRestarted(NotFound):
+    """A lease outlived its session: the daemon restarted (or ended the session after missed
+    heartbeats) since the lease was taken, so its pages are gone. The client has already
+    re-registered; look up again and recompute what is missing. A NotFound, because the
+    daemon no longer knows the lease."""
+
+
 ERRORS_BY_CODE: dict[str, type[KVTierError]] = {
     cls.code: cls
     for cls in (
@@ -63,3 +72,23 @@ ERRORS_BY_CODE: dict[str, type[KVTierError]] = {
         Unavailable,
     )
 }
+
+
+def from_rpc_error(exc: grpc.RpcError) -> KVTierError:
+    """The KVTierError subclass for a failed call's status code, carrying the daemon's message.
+
+    Codes without a class of their own (DEADLINE_EXCEEDED, INTERNAL, ...) become a plain
+    KVTierError whose `code` names them, so callers can still tell them apart.
+    """
+    if not isinstance(exc, grpc.Call):
+        # An RpcError raised outside a call (rare: a channel closed under us) has no status.
+        return KVTierError(str(exc) or "gRPC call failed without a status")
+    status = exc.code()
+    name = status.name if status is not None else "UNKNOWN"
+    message = exc.details() or f"daemon returned {name} without a message"
+    cls = ERRORS_BY_CODE.get(name)
+    if cls is not None:
+        return cls(message)
+    error = KVTierError(message)
+    error.code = name
+    return error

@@ -1,0 +1,430 @@
+"""KVTierClient: an engine's handle on a kvtier daemon.
+
+One client holds one session: one namespace and one page layout. The calls, in the
+order an engine makes them:
+
+    pool = client.register(namespace, layout)        # maps the host arena
+    keys = client.block_keys(token_ids)
+    hit  = client.lookup(keys)                        # longest cached prefix
+    with client.acquire(hit.hit_keys(keys)) as r:     # hit: read pages in place
+        ... r.pages / r.tensors() ...
+    with client.borrow(len(miss)) as w:               # miss: write KV in place, publish it
+        ... w.pages[i][...] = kv ...
+        w.commit(miss_keys, parent=last_hit_key)
+
+A daemon thread sends heartbeats. When the daemon is unreachable, calls retry with
+bounded backoff (connection.Backoff); when it restarted and no longer knows the session,
+the client registers again with the same namespace and layout and maps the new arena,
+so the engine carries on. Leases of the lost session raise errors.DaemonRestarted.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from kvtier_client import keys as keys_mod
+from kvtier_client.connection import Backoff, Connection, TLSConfig
+from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, Unavailable
+from kvtier_client.keys import BlockKey
+from kvtier_client.layout import PageLayout
+from kvtier_client.leases import Lease, ReadLease, WriteLease
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.results import CommitResult, LookupResult, PoolInfo, Stats
+from kvtier_client.tiers import Tier
+from kvtier_client.views import HostArenaView
+from kvtier_client.wire import layout_to_proto, tier_from_proto, tier_to_proto
+
+log = logging.getLogger("kvtier_client")
+
+T = TypeVar("T")
+
+
+class Wait(enum.Enum):
+    """How acquire waits for pages the daemon must first promote from a slower tier."""
+
+    ALL = pb.WAIT_ALL  # until every page is ready
+    NONE = pb.WAIT_NONE  # return the prefix that is ready now
+    DEADLINE = pb.WAIT_DEADLINE  # up to the deadline, then the ready prefix
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """What register was asked for, kept to register again after a daemon restart."""
+
+    namespace: str
+    layout: PageLayout
+    algorithm: str
+
+
+@dataclass
+class _Session:
+    """One registration's answer and this process's mapping of its arena. Replaced as a
+    whole when the client re-registers; leases keep the one they were taken in."""
+
+    info: PoolInfo
+    arena: HostArenaView | None
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+
+class KVTierClient:
+    """A connection to one daemon and (after `register`) one session on it.
+
+    `target` is "unix:///abs/path.sock" or "host:port" (TLS with `tls`, or plain with
+    `insecure=True`). `token` is sent as a bearer token on every call. A client on another
+    host passes `map_arena=False` and moves bytes with kvtier_client.remote.RemotePages.
+    `on_reconnect(old, new)` is called (from the thread that noticed) after the client
+    registered again, so an engine holding its own views of the old arena can rebuild them.
+    Thread-safe: leases and calls may come from several engine threads.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        insecure: bool = False,
+        name: str | None = None,
+        map_arena: bool = True,
+        backoff: Backoff = Backoff(),
+        timeout: float = 30.0,
+        on_reconnect: Callable[[PoolInfo, PoolInfo], None] | None = None,
+    ) -> None:
+        self.name = name or f"kvtier-client pid {os.getpid()}"
+        self.map_arena = map_arena
+        self.on_reconnect = on_reconnect
+        self._conn = Connection(target, token=token, tls=tls, insecure=insecure, backoff=backoff, timeout=timeout)
+        self._registration: _Registration | None = None
+        self._session: _Session | None = None
+        self._swap = threading.Lock()  # serialises re-registration
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+        self.reconnects = 0  # sessions re-opened after the daemon lost ours
+
+    # -- session ---------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return self._conn.target
+
+    @property
+    def pool(self) -> PoolInfo:
+        """The current session and pool (it changes when the client re-registers)."""
+        return self._current().info
+
+    @property
+    def layout(self) -> PageLayout:
+        return self.pool.layout
+
+    def register(self, namespace: str, layout: PageLayout, *, algorithm: str = keys_mod.DEFAULT_ALGORITHM) -> PoolInfo:
+        """Open the session: one namespace, one layout, one block-key algorithm; map the arena."""
+        self._check_open()
+        if self._registration is not None:
+            raise FailedPrecondition(
+                f"this client is already registered for namespace {self._registration.namespace!r}; "
+                "use one client per namespace and layout"
+            )
+        keys_mod.hash_fingerprint(algorithm)  # ValueError for an unknown algorithm, before any call
+        registration = _Registration(namespace, layout, algorithm)
+        session = self._open_session(registration)
+        with self._swap:
+            self._registration, self._session = registration, session
+        self._heartbeat = threading.Thread(target=self._beat, name=f"kvtier-heartbeat-{session.session_id[:8]}", daemon=True)
+        self._heartbeat.start()
+        return session.info
+
+    def _open_session(self, registration: _Registration) -> _Session:
+        reply = self._conn.unary(
+            "Register",
+            pb.RegisterRequest(
+                namespace=registration.namespace,
+                layout=layout_to_proto(registration.layout),
+                hash_algorithm=registration.algorithm,
+                hash_fingerprint=keys_mod.hash_fingerprint(registration.algorithm),
+                client_name=self.name,
+            ),
+        )
+        info = PoolInfo.from_proto(reply, registration.namespace, registration.layout, registration.algorithm)
+        try:
+            if info.heartbeat_interval <= 0:
+                raise KVTierError(f"daemon sent heartbeat_interval_ms={reply.heartbeat_interval_ms}; it must be positive")
+            arena = self._map(info) if self.map_arena else None
+        except BaseException:
+            self._close_session(info.session_id)
+            raise
+        return _Session(info, arena)
+
+    def _map(self, info: PoolInfo) -> HostArenaView:
+        try:
+            return HostArenaView.open(info.host_arena, info.host_arena_bytes, info.layout, info.page_bytes, info.slot_bytes)
+        except (OSError, ValueError) as exc:
+            raise KVTierError(
+                f"cannot map host arena {info.host_arena!r} ({exc}); a client on another host must pass "
+                "map_arena=False and use kvtier_client.remote.RemotePages"
+            ) from exc
+
+    def _current(self) -> _Session:
+        session = self._session
+        if session is None:
+            raise FailedPrecondition("register a namespace and layout first")
+        return session
+
+    def _live(self) -> _Session:
+        """The session for a new call: refuses a closed client."""
+        self._check_open()
+        return self._current()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("this client is closed; create a new one")
+
+    def is_current(self, session: _Session) -> bool:
+        """Whether leases of `session` are still alive on the daemon's side: False after a
+        daemon restart, and after close (which ended the session)."""
+        return not self._closed and session is self._session
+
+    def _session_gone(self, session: _Session) -> bool:
+        """After a NOT_FOUND: was it the session that is unknown, or only a key or lease?
+        Heartbeat answers NOT_FOUND for one thing only, an unknown session."""
+        if not self.is_current(session):
+            return True
+        try:
+            self._conn.unary("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id))
+        except NotFound:
+            return True
+        return False
+
+    def _reconnect(self, stale: _Session) -> _Session:
+        """Register again for the same namespace and layout, once, however many threads noticed."""
+        with self._swap:
+            if self._session is not stale:
+                return self._current()
+            assert self._registration is not None
+            fresh = self._open_session(self._registration)
+            self._session = fresh
+            self.reconnects += 1
+        log.warning(
+            "kvtier daemon at %s no longer knows session %s (restarted?); registered again as %s, arena %s",
+            self.target, stale.session_id, fresh.session_id, fresh.info.host_arena,
+        )
+        if stale.arena is not None:
+            stale.arena.close()
+        if self.on_reconnect is not None:
+            try:
+                self.on_reconnect(stale.info, fresh.info)
+            except Exception:
+                # The engine's callback may run on the heartbeat thread; letting it kill that
+                # thread would silently end the new session too.
+                log.exception("kvtier: on_reconnect callback failed")
+        return fresh
+
+    def _in_session(self, call: Callable[[_Session], T]) -> T:
+        """Run a session-level call; if the daemon lost the session, register again and repeat it."""
+        session = self._live()
+        try:
+            return call(session)
+        except NotFound:
+            if not self._session_gone(session):
+                raise
+        return call(self._reconnect(session))
+
+    def _for_lease(self, lease: Lease, call: Callable[[_Session], T]) -> T:
+        """Run a call on a lease; a lease of a lost session raises DaemonRestarted."""
+        self._check_open()
+        session = lease.session
+        if not self.is_current(session):
+            raise self._restarted(lease)
+        try:
+            return call(session)
+        except NotFound as exc:
+            if not self._session_gone(session):
+                raise
+            self._reconnect(session)
+            raise self._restarted(lease) from exc
+
+    @staticmethod
+    def _restarted(lease: Lease) -> DaemonRestarted:
+        lease.ended = True
+        return DaemonRestarted(
+            f"lease {lease.lease_id} belonged to session {lease.session.session_id}, which the daemon no longer "
+            "knows: it restarted (or dropped the session after missed heartbeats) and the lease's pages are gone. "
+            "The client has registered again; look the keys up again and recompute what is missing."
+        )
+
+    def _beat(self) -> None:
+        """Heartbeat loop (daemon thread). A lost session is re-registered here too, so an idle
+        engine finds the new arena already mapped."""
+        while True:
+            session = self._current()
+            if self._stop.wait(session.info.heartbeat_interval):
+                return
+            session = self._current()
+            try:
+                self._conn.unary(
+                    "Heartbeat", pb.HeartbeatRequest(session_id=session.session_id),
+                    timeout=max(session.info.heartbeat_interval, 1.0), retry=False,
+                )
+            except NotFound:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._reconnect(session)
+                except KVTierError as exc:
+                    log.warning("kvtier: could not register again yet (the next beat or call retries): %s", exc)
+            except Unavailable:
+                pass  # down or restarting; the next beat or call finds it again
+            except KVTierError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("kvtier heartbeat for session %s failed: %s", session.session_id, exc)
+
+    # -- keys and lookups ------------------------------------------------------
+    def block_keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        salt: bytes = b"",
+        extras: Sequence[Sequence[bytes]] | None = None,
+        parent: BlockKey | None = None,
+    ) -> list[BlockKey]:
+        """Keys of every full block of `token_ids`, with the registered block size and algorithm."""
+        info = self.pool
+        return keys_mod.block_keys(
+            token_ids, info.layout.block_tokens, salt=salt, extras=extras, algorithm=info.algorithm, parent=parent
+        )
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """How many leading keys are cached, and the fastest tier of each."""
+        reply = self._in_session(
+            lambda s: self._conn.unary("Lookup", pb.LookupRequest(session_id=s.session_id, keys=list(keys)))
+        )
+        return LookupResult.from_proto(reply)
+
+    def prefetch(self, keys: Sequence[bytes], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
+        """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""
+        reply = self._in_session(
+            lambda s: self._conn.unary(
+                "Prefetch",
+                pb.PrefetchRequest(session_id=s.session_id, keys=list(keys), tier=tier_to_proto(tier), priority=priority),
+            )
+        )
+        return reply.accepted
+
+    # -- leases ----------------------------------------------------------------
+    def borrow(self, count: int) -> WriteLease:
+        """A write lease on `count` free host pages. Use it in a `with` block (released on exit
+        unless committed) or end it yourself with `commit` or `release`."""
+
+        def call(session: _Session) -> WriteLease:
+            reply = self._conn.unary("Borrow", pb.BorrowRequest(session_id=session.session_id, count=count))
+            return WriteLease(self, session, reply.lease_id, tier_from_proto(reply.tier), reply.slots)
+
+        return self._in_session(call)
+
+    def commit(self, lease: WriteLease, keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult:
+        """Publish a write lease's pages under `keys` (see WriteLease.commit)."""
+
+        def call(session: _Session) -> CommitResult:
+            request = pb.CommitRequest(session_id=session.session_id, lease_id=lease.lease_id, keys=list(keys))
+            if parent is not None:
+                request.parent = parent
+            reply = self._conn.unary("Commit", request)
+            return CommitResult(reply.committed, tuple(reply.duplicates))
+
+        result = self._for_lease(lease, call)
+        lease.ended = True
+        return result
+
+    def acquire(self, keys: Sequence[bytes], *, wait: Wait | None = None, deadline: float | None = None) -> ReadLease:
+        """A read lease pinning every key's page in the host tier, loading slower copies first.
+
+        Every key must be cached (acquire `lookup(keys).hit_keys(keys)`), else NotFound.
+        `wait` defaults to Wait.DEADLINE when a `deadline` (seconds) is given, else Wait.ALL;
+        with NONE or DEADLINE only the first `lease.ready` pages are readable.
+        Use it in a `with` block, or call `release` yourself.
+        """
+        if wait is None:
+            wait = Wait.DEADLINE if deadline is not None else Wait.ALL
+        if (wait is Wait.DEADLINE) != (deadline is not None):
+            raise ValueError("a deadline goes with wait=Wait.DEADLINE, and Wait.DEADLINE needs a deadline")
+        if deadline is not None and deadline <= 0:
+            raise ValueError(f"deadline must be positive seconds, got {deadline}")
+        deadline_ms = max(1, math.ceil(deadline * 1000)) if deadline is not None else 0
+        key_list = list(keys)
+
+        def call(session: _Session) -> ReadLease:
+            reply = self._conn.unary(
+                "Acquire",
+                pb.AcquireRequest(
+                    session_id=session.session_id, keys=key_list, tier=pb.TIER_HOST,
+                    wait=wait.value, deadline_ms=deadline_ms,
+                ),
+                timeout=self._conn.timeout + deadline_ms / 1000,
+            )
+            return ReadLease(
+                self, session, reply.lease_id, tier_from_proto(reply.tier), reply.slots,
+                keys=key_list, ready=reply.ready, promoted=reply.promoted,
+            )
+
+        return self._in_session(call)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease: unpin a read lease's pages, free a write lease's uncommitted pages."""
+        self._for_lease(
+            lease,
+            lambda s: self._conn.unary("Release", pb.ReleaseRequest(session_id=s.session_id, lease_id=lease.lease_id)),
+        )
+        lease.ended = True
+
+    # -- daemon-wide -----------------------------------------------------------
+    def stats(self) -> Stats:
+        """Capacity, occupancy and counters of every pool, sessions and leases. Needs no session."""
+        self._check_open()
+        return Stats.from_proto(self._conn.unary("Stats", pb.StatsRequest()))
+
+    # -- shutdown --------------------------------------------------------------
+    def close(self) -> None:
+        """End the session (the daemon releases its leases), stop heartbeats, unmap, disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._conn.stop_retrying()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        session = self._session
+        try:
+            if session is not None:
+                self._close_session(session.session_id)
+        finally:
+            self._conn.close()
+            if session is not None and session.arena is not None:
+                session.arena.close()
+
+    def _close_session(self, session_id: str) -> None:
+        try:
+            self._conn.unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), retry=False)
+        except (NotFound, Unavailable):
+            pass  # already gone, or the daemon is down and will time the session out
+
+    def __enter__(self) -> "KVTierClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        session = self._session
+        where = f"session {session.session_id} in {session.info.namespace!r}" if session else "not registered"
+        return f"KVTierClient({self.target!r}, {where})"

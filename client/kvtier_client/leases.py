@@ -1,0 +1,141 @@
+"""Leases as the engine sees them: page views plus the calls that end the lease.
+
+A lease belongs to the session it was taken in. If the daemon restarts, the client
+re-registers under a new session and the old leases are gone on the daemon's side:
+committing or releasing one raises DaemonRestarted, while leaving its `with` block just
+forgets it (there is nothing left to release).
+
+Both kinds are context managers that release on exit unless already ended, so
+``with client.borrow(n) as lease:`` cannot leak pages; an engine that keeps a lease across
+scheduler steps can hold the object and call `commit` / `release` itself.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from kvtier_client.errors import KVTierError
+from kvtier_client.keys import BlockKey
+from kvtier_client.results import CommitResult
+from kvtier_client.tiers import Tier
+from kvtier_client.views import HostArenaView
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvtier_client")
+
+
+class SessionLike(Protocol):
+    arena: HostArenaView | None
+    session_id: str
+
+
+class LeaseOwner(Protocol):
+    """What a lease needs from its client (kvtier_client.client.KVTierClient)."""
+
+    def commit(self, lease: "WriteLease", keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult: ...
+
+    def release(self, lease: "Lease") -> None: ...
+
+    def is_current(self, session: SessionLike) -> bool: ...
+
+
+class Lease:
+    """Common part of read and write leases: id, slots, session, views."""
+
+    _writable = False
+
+    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: int, tier: Tier, slots: Sequence[int]) -> None:
+        self._owner = owner
+        self.session = session
+        self.lease_id = lease_id
+        self.tier = tier
+        self.slots = tuple(slots)
+        self.ended = False  # committed or released
+
+    def __repr__(self) -> str:
+        state = "ended" if self.ended else "open"
+        return f"{type(self).__name__}(id={self.lease_id}, pages={len(self.slots)}, {state})"
+
+    @property
+    def count(self) -> int:
+        return len(self.slots)
+
+    def _visible_slots(self) -> tuple[int, ...]:
+        return self.slots
+
+    def _arena(self) -> HostArenaView:
+        if self.session.arena is None:
+            raise KVTierError(
+                "this client does not map the host arena (map_arena=False); "
+                "move page bytes with kvtier_client.remote.RemotePages instead"
+            )
+        if self.tier != Tier.HOST:
+            raise KVTierError(f"lease {self.lease_id} holds {self.tier.label} pages; only host pages have views here")
+        return self.session.arena
+
+    @cached_property
+    def pages(self) -> tuple[np.ndarray, ...]:
+        """One zero-copy numpy view per page, shaped like the layout (writable for write leases).
+        bfloat16 and float8 pages show their raw bits (uint16 / uint8): see kvtier_client.views."""
+        arena = self._arena()
+        return tuple(arena.numpy(slot, writable=self._writable) for slot in self._visible_slots())
+
+    def tensors(self) -> tuple["torch.Tensor", ...]:
+        """One zero-copy torch view per page, with the layout's real dtype. Needs torch."""
+        arena = self._arena()
+        return tuple(arena.torch(slot) for slot in self._visible_slots())
+
+    def release(self) -> None:
+        self._owner.release(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.ended:
+            return
+        if not self._owner.is_current(self.session):
+            self.ended = True  # its session is gone, and with it the lease
+            return
+        if exc_type is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except KVTierError as error:
+            # Do not hide the caller's exception behind a failed clean-up; the daemon frees the
+            # lease when the session ends anyway.
+            log.warning("could not release lease %s while handling %s: %s", self.lease_id, exc_type.__name__, error)
+
+
+class WriteLease(Lease):
+    """Free host pages to fill (from borrow). `commit` publishes them under block keys."""
+
+    _writable = True
+
+    def commit(self, keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult:
+        """Page i becomes the cached copy of keys[i]; pages beyond len(keys) are freed.
+        `parent` is the key of the block before keys[0], if any. Ends the lease."""
+        return self._owner.commit(self, keys, parent=parent)
+
+
+class ReadLease(Lease):
+    """Cached pages pinned in a tier (from acquire); only the first `ready` are readable
+    (all of them unless acquire was asked not to wait). Views are read-only; torch has no
+    read-only tensors, so do not write through `tensors()` of a read lease."""
+
+    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: int, tier: Tier, slots: Sequence[int],
+                 *, keys: Sequence[BlockKey], ready: int, promoted: int) -> None:
+        super().__init__(owner, session, lease_id, tier, slots)
+        self.keys = tuple(keys)
+        self.ready = ready
+        self.promoted = promoted
+
+    def _visible_slots(self) -> tuple[int, ...]:
+        return self.slots[: self.ready]

@@ -1,0 +1,135 @@
+"""What the client returns: small frozen dataclasses, so no protobuf message leaks to an engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier_client.keys import BlockKey
+from kvtier_client.layout import PageLayout
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.tiers import Tier
+from kvtier_client.wire import layout_from_proto, tier_from_proto
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A registered session and the pool it uses: what Register answered."""
+
+    session_id: str
+    namespace: str
+    layout: PageLayout
+    algorithm: str
+    pool_id: str
+    page_bytes: int
+    slot_bytes: int
+    tiers: tuple[tuple[Tier, int], ...]  # (tier, capacity in pages), as the daemon listed them
+    host_arena: str  # /dev/shm name of the host arena
+    host_arena_bytes: int
+    heartbeat_interval: float  # seconds
+    session_timeout: float  # seconds
+
+    @classmethod
+    def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
+        return cls(
+            session_id=reply.session_id,
+            namespace=namespace,
+            layout=layout,
+            algorithm=algorithm,
+            pool_id=reply.pool_id,
+            page_bytes=reply.page_bytes,
+            slot_bytes=reply.slot_bytes,
+            tiers=tuple((tier_from_proto(t.tier), t.capacity_pages) for t in reply.tiers),
+            host_arena=reply.host_arena,
+            host_arena_bytes=reply.host_arena_bytes,
+            heartbeat_interval=reply.heartbeat_interval_ms / 1000,
+            session_timeout=reply.session_timeout_ms / 1000,
+        )
+
+    def capacity(self, tier: Tier) -> int:
+        """Pages in `tier`; 0 if the daemon has no such tier."""
+        return next((pages for t, pages in self.tiers if t == tier), 0)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The first `hit_blocks` keys are cached; `tiers[i]` is the fastest tier holding key i."""
+
+    hit_blocks: int
+    tiers: tuple[Tier, ...]
+
+    @classmethod
+    def from_proto(cls, reply: pb.LookupResponse) -> "LookupResult":
+        return cls(reply.hit_blocks, tuple(tier_from_proto(t) for t in reply.tiers))
+
+    def hit_keys(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """The cached prefix of `keys` (the keys this lookup was for): what to acquire."""
+        return keys[: self.hit_blocks]
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """`duplicates` are indices of keys that were already cached: the daemon kept its page and
+    freed ours. The lease has ended either way."""
+
+    committed: int
+    duplicates: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: Tier
+    capacity_pages: int
+    free_pages: int
+    writing_pages: int  # borrowed, not yet committed
+    cached_pages: int
+    pinned_pages: int  # cached and held by read leases
+    hits: int
+    evictions: int
+    promotions: int
+    demotions: int
+    bytes_in: int
+    corrupt_pages: int
+
+    @classmethod
+    def from_proto(cls, m: pb.TierStats) -> "TierStats":
+        return cls(
+            tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
+            m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
+        )
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_id: str
+    layout: PageLayout
+    page_bytes: int
+    tiers: tuple[TierStats, ...]
+    lookup_blocks: int
+    miss_blocks: int
+
+    @classmethod
+    def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
+        return cls(
+            m.pool_id, layout_from_proto(m.layout), m.page_bytes,
+            tuple(TierStats.from_proto(t) for t in m.tiers), m.lookup_blocks, m.miss_blocks,
+        )
+
+    def tier(self, tier: Tier) -> TierStats | None:
+        return next((t for t in self.tiers if t.tier == tier), None)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The daemon at a glance: every pool, sessions and leases."""
+
+    version: str
+    pools: tuple[PoolStats, ...]
+    sessions: int
+    leases: int
+    uptime_seconds: float
+
+    @classmethod
+    def from_proto(cls, m: pb.StatsResponse) -> "Stats":
+        return cls(m.version, tuple(PoolStats.from_proto(p) for p in m.pools), m.sessions, m.leases, m.uptime_seconds)
+
+    def pool(self, pool_id: str) -> PoolStats | None:
+        return next((p for p in self.pools if p.pool_id == pool_id), None)

@@ -1,0 +1,86 @@
+"""Fixtures for the client's end-to-end tests: real `kvtier serve` processes over real
+sockets and real shared memory (tests/daemon.py), and clients closed at teardown.
+
+Every daemon started here is stopped at teardown, even when the test fails.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from daemon import Daemon, start_daemon
+from kvtier_client import KVTierClient
+from kvtier_client.shm import SHM_DIR
+
+
+def stop_all(daemons: list[Daemon]) -> list[str]:
+    """Stop every daemon (SIGTERM, then SIGKILL on timeout); return problems instead of raising
+    at the first, so one bad daemon never leaves the others running."""
+    problems = []
+    for d in daemons:
+        try:
+            code = d.stop()
+        except AssertionError as exc:
+            problems.append(str(exc))
+            continue
+        if code != 0:
+            problems.append(f"daemon exited with {code} after SIGTERM:\n{d.log()}")
+        left = [n for n in os.listdir(SHM_DIR) if n.startswith(d.arena_prefix)]
+        if left:
+            problems.append(f"daemon left host arenas behind: {left}")
+            for name in left:
+                os.unlink(os.path.join(SHM_DIR, name))
+    return problems
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Daemon:
+    """One daemon shared by a module's tests (each test uses its own namespace or layout)."""
+    d = start_daemon(tmp_path_factory.mktemp("kvd"))
+    try:
+        yield d
+    finally:
+        problems = stop_all([d])
+        assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    """`daemons(*serve_args, path=tmp_path)` starts a daemon of the test's own; all are stopped
+    at teardown. The same `path` means the same socket and cache dir (a restart)."""
+    started: list[Daemon] = []
+
+    def start(*args: str, path=None, **kwargs) -> Daemon:
+        d = start_daemon(path or tmp_path, *args, **kwargs)
+        started.append(d)
+        return d
+
+    start.started = started
+    try:
+        yield start
+    finally:
+        problems = stop_all(started)
+        assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def clients():
+    """`clients(target, **kwargs)` makes a KVTierClient that is closed at teardown."""
+    made: list[KVTierClient] = []
+
+    def make(target: str, **kwargs) -> KVTierClient:
+        client = KVTierClient(target, **kwargs)
+        made.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in made:
+            client.close()
+
+
+@pytest.fixture
+def namespace(request) -> str:
+    """A namespace of the test's own, so tests sharing a daemon never see each other's keys."""
+    return f"test/{request.node.name}"
