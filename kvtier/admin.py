@@ -24,8 +24,14 @@ def _target(socket: str | None, target: str | None) -> str:
 
 def _channel(target: str, tls_ca: str | None) -> grpc.Channel:
     if tls_ca:
-        with open(tls_ca, "rb") as f:
-            return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=f.read()))
+        try:
+            with open(tls_ca, "rb") as f:
+                ca = f.read()
+        except OSError as exc:
+            raise click.ClickException(
+                f"cannot read --tls-ca {tls_ca} ({exc.strerror}); pass the PEM CA that signed the daemon's certificate"
+            ) from None
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
     return grpc.insecure_channel(target)
 
 

@@ -105,8 +105,9 @@ class DaemonConfig:
         if self.auth == "tokens" and not self.tokens_file:
             raise ConfigError("auth = tokens needs tokens_file (a TOML file with a [tokens] table)")
         if self.tcp:
-            if not re.fullmatch(r".+:[0-9]+", self.tcp):
-                raise ConfigError(f"tcp: {self.tcp!r} is not host:port")
+            m = re.fullmatch(r".+:([0-9]+)", self.tcp)
+            if not m or not 0 < int(m.group(1)) <= 65535:
+                raise ConfigError(f"tcp: {self.tcp!r} is not host:port with a port from 1 to 65535")
             if not (self.tls_cert and self.tls_key) and not self.insecure:
                 raise ConfigError("tcp needs tls_cert and tls_key, or --insecure for plaintext on a trusted loopback")
             if self.auth == "none" and not self.insecure:

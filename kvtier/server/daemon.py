@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
 import threading
 import time
@@ -53,6 +54,8 @@ class Daemon:
         self.prefetcher = Prefetcher()
         self.metrics = Metrics(self.snapshot, lambda pool_id: self.pools[pool_id].layout.page_bytes)
         self.health = health.HealthServicer()
+        for name in ("", SERVICE_NAME):  # HealthServicer starts as SERVING; we are not, until start() ends
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.draining = False
         self._idle = threading.Condition()
         self._started = time.monotonic()
@@ -62,6 +65,7 @@ class Daemon:
     # -- called by the servicer -------------------------------------------------
     def register(self, request: pb.RegisterRequest, metadata: Sequence) -> Session:
         check_namespace(request.namespace)
+        self._authorize(request.namespace, metadata)  # before anything else is checked or revealed
         if request.hash_algorithm not in ALGORITHMS:
             raise InvalidArgument(f"unknown hash_algorithm {request.hash_algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         expected = hash_fingerprint(request.hash_algorithm)
@@ -70,7 +74,6 @@ class Daemon:
                 f"block-key fingerprint mismatch for {request.hash_algorithm}: client sent {request.hash_fingerprint!r}, "
                 f"daemon computes {expected}; the client's key hashing differs from docs/block-keys.md, upgrade or fix it"
             )
-        self._authorize(request.namespace, metadata)
         try:
             layout = PageLayout(
                 request.layout.layers, request.layout.kv_heads, request.layout.head_dim, request.layout.block_tokens,
@@ -152,7 +155,13 @@ class Daemon:
         cfg = self.config
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc"),
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the same TCP
+                # port and silently take half of the connections (sessions it does not know).
+                ("grpc.so_reuseport", 0),
+            ],
         )
         kvtier_pb2_grpc.add_KVTierServicer_to_server(KVTierService(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -247,7 +256,27 @@ def preflight(cfg: DaemonConfig) -> None:
                 f"disk_size {cfg.disk_size >> 20} MiB exceeds the free space under {cfg.cache_dir} ({free >> 20} MiB); "
                 "lower --disk-size or choose another --cache-dir"
             )
+    if cfg.tcp:
+        _check_port(cfg.tcp, "tcp")
+    if cfg.metrics_port:
+        _check_port(f"{cfg.metrics_host}:{cfg.metrics_port}", "metrics_port")
     _claim_socket(cfg.socket)
+
+
+def _check_port(address: str, key: str) -> None:
+    """Refuse a TCP address this daemon cannot listen on (in use, not local, unresolvable)."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the real listener does
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}: cannot listen on {address} ({exc.strerror or exc}); stop what holds it or choose another port"
+        ) from None
 
 
 def _mem_available() -> int | None:
@@ -271,8 +300,16 @@ def _existing_slabs(cache_dir: str) -> int:
     return total
 
 
+_SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, terminating NUL included
+
+
 def _claim_socket(path: str) -> None:
     """Create the socket's directory; replace a stale socket file, refuse a live daemon's."""
+    if len(os.fsencode(path)) >= _SUN_PATH_MAX:
+        raise ConfigError(
+            f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most {_SUN_PATH_MAX - 1}: "
+            "choose a shorter --socket"
+        )
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o770, exist_ok=True)

@@ -1,0 +1,101 @@
+"""Fixtures for the end-to-end daemon tests: real `kvtier serve` subprocesses, stopped at
+teardown even when a test fails, and real gRPC channels, closed at teardown."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from daemon import Daemon, start_daemon
+from kvtier_client.shm import SHM_DIR
+from rpc import Conn, arenas, serve
+
+
+class Daemons:
+    """Starts daemons under a base directory and stops all of them at teardown.
+
+    A daemon that exits 0 on SIGTERM must have removed its arenas; arenas left by a daemon
+    a test killed on purpose are removed quietly.
+    """
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.started: list[Daemon] = []
+        self.children: list[subprocess.Popen] = []
+
+    def _dir(self, name: str) -> Path:
+        path = self.base / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def start(self, *args: str, name: str = "d", host_size: str = "1MiB", disk_size: str = "4MiB",
+              env: dict | None = None) -> Daemon:
+        """tests/daemon.py's start_daemon under base/name (small tiers by default)."""
+        daemon = start_daemon(self._dir(name), *args, host_size=host_size, disk_size=disk_size, env=env)
+        self.started.append(daemon)
+        return daemon
+
+    def serve(self, *args: str, name: str = "d", env: dict | None = None) -> Daemon:
+        """rpc.serve: exactly these flags (for config precedence)."""
+        daemon = serve(self._dir(name), *args, env=env)
+        self.started.append(daemon)
+        return daemon
+
+    def child(self, proc: subprocess.Popen) -> subprocess.Popen:
+        """A helper process (a client) to kill at teardown."""
+        self.children.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        errors = []
+        for proc in self.children:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        codes = []
+        for daemon in self.started:
+            try:
+                codes.append(daemon.stop(signal.SIGTERM))
+            except AssertionError as exc:
+                errors.append(str(exc))
+                codes.append(None)
+        # Only once all are down: a restarted daemon may reuse a killed one's arena prefix.
+        for daemon, code in zip(self.started, codes):
+            left = arenas(daemon.arena_prefix)
+            for name in left:
+                os.unlink(os.path.join(SHM_DIR, name))
+            if code == 0 and left:
+                errors.append(f"daemon exited 0 but left arenas in {SHM_DIR}: {left}")
+        assert not errors, "\n".join(errors)
+
+
+@pytest.fixture
+def daemons(tmp_path: Path):
+    started = Daemons(tmp_path)
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory: pytest.TempPathFactory):
+    """For a daemon shared by the tests of one module (those that do not interfere)."""
+    started = Daemons(tmp_path_factory.mktemp("m"))
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture
+def connect():
+    """connect(target, token=..., credentials=...) -> Conn; sessions closed and channels shut at teardown."""
+    opened: list[Conn] = []
+
+    def factory(target: str, **kwargs) -> Conn:
+        conn = Conn(target, **kwargs)
+        opened.append(conn)
+        return conn
+
+    yield factory
+    for conn in reversed(opened):
+        conn.close()

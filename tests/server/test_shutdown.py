@@ -1,0 +1,116 @@
+"""Stopping: SIGTERM is a clean exit that removes the socket and the host arenas, closes the
+disk index and keeps every committed page (a new daemon on the same cache dir serves the same
+bytes); a drain that times out still exits 0; after kill -9 the next daemon takes over."""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+import uuid
+
+import lmdb
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from rpc import Arena, arenas, keys, page, tier_stats
+
+
+def test_sigterm_persists_pages_for_the_next_daemon(daemons, connect):
+    first = daemons.start(name="d")
+    conn = connect(first.target)
+    s = conn.session("persist")
+    prefix = keys("persist", 6)
+    arena = Arena.of(s.reply)
+    lease = s.borrow(len(prefix))
+    for i, slot in enumerate(lease.slots):
+        arena.write(slot, page(f"persist-{i}"))
+    arena.close()
+    s.commit(lease.lease_id, prefix)
+    assert s.lookup(prefix).tiers == [pb.TIER_HOST] * 6  # host only: written back at shutdown, not before
+    assert arenas(first.arena_prefix) == [s.reply.host_arena]
+    # Restrictive permissions: owner and group (the engine's sidecar volume), nobody else.
+    assert stat.S_IMODE(first.socket.stat().st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{s.reply.host_arena}").st_mode) & 0o007 == 0
+    conn.close()
+
+    assert first.stop(signal.SIGTERM) == 0
+    assert not first.socket.exists()
+    assert arenas(first.arena_prefix) == []
+    assert '"msg": "stopped"' in first.log()
+    # The LMDB index was committed and closed: another process can read all six entries.
+    with lmdb.open(str(first.cache_dir / s.reply.pool_id / "index.lmdb"), readonly=True, lock=False, max_dbs=2) as env:
+        with env.begin(db=env.open_db(b"pages", create=False)) as txn:
+            assert txn.stat()["entries"] == 6
+
+    second = daemons.start(name="d")  # same socket path and cache dir, new arena
+    conn = connect(second.target)
+    s = conn.session("persist")
+    state = conn.state()
+    assert tier_stats(state, s.reply.pool_id, pb.TIER_DISK).cached_pages == 6
+    assert tier_stats(state, s.reply.pool_id, pb.TIER_HOST).cached_pages == 0
+    assert s.lookup(prefix).tiers == [pb.TIER_DISK] * 6
+    assert conn.session("someone-else").lookup(prefix).hit_blocks == 0  # persisted with their namespace
+
+    read = s.acquire(prefix)
+    assert (read.tier, read.ready, read.promoted) == (pb.TIER_HOST, 6, 6)
+    arena = Arena.of(s.reply)
+    try:
+        for i, slot in enumerate(read.slots):
+            assert arena.read(slot) == page(f"persist-{i}"), f"page {i} came back different"
+    finally:
+        arena.close()
+    s.release(read.lease_id)
+
+
+
+def test_drain_timeout_releases_what_clients_still_hold(daemons, connect):
+    d = daemons.start("--drain-timeout", "1s")
+    conn = connect(d.target)
+    s = conn.session("stubborn")
+    committed = keys("stubborn", 2)
+    s.put(committed)
+    s.acquire(committed)
+    s.borrow(3)  # never released: the drain must give up on it
+
+    d.proc.send_signal(signal.SIGINT)  # Ctrl-C drains like SIGTERM
+    start = time.monotonic()
+    assert d.proc.wait(timeout=10) == 0
+    assert 1.0 <= time.monotonic() - start < 4.0
+    assert "drain timed out" in d.log()
+    assert arenas(d.arena_prefix) == []
+
+    again = daemons.start(name="d")  # the same cache dir: committed pages were kept, borrowed ones not
+    s = connect(again.target).session("stubborn")
+    assert s.lookup(committed).tiers == [pb.TIER_DISK] * 2
+
+
+def test_restart_after_kill_9(daemons, connect):
+    """A crashed daemon leaves its socket and arena behind; the next one on the same paths
+    replaces both and serves what was written through to disk before the crash."""
+    prefix = f"kvtier-test-crash-{uuid.uuid4().hex[:6]}"
+    first = daemons.start("--write-through", "--arena-prefix", prefix)  # the last --arena-prefix wins
+    first.arena_prefix = prefix  # so that teardown removes what the crash leaves, even if the test fails
+    s = connect(first.target).session("crash")
+    blocks = keys("crash", 3)
+    arena = Arena.of(s.reply)
+    lease = s.borrow(3)
+    for i, slot in enumerate(lease.slots):
+        arena.write(slot, page(f"crash-{i}"))
+    arena.close()
+    s.commit(lease.lease_id, blocks)
+
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert first.socket.is_socket() and arenas(prefix) == [s.reply.host_arena]  # what a crash leaves
+
+    second = daemons.start("--arena-prefix", prefix, name="d")
+    second.arena_prefix = prefix
+    s = connect(second.target).session("crash")
+    assert s.reply.host_arena == arenas(prefix)[0]
+    assert "stale host arena" in second.log()
+    read = s.acquire(blocks)
+    assert read.promoted == 3
+    arena = Arena.of(s.reply)
+    try:
+        assert [arena.read(slot) for slot in read.slots] == [page(f"crash-{i}") for i in range(3)]
+    finally:
+        arena.close()
+    s.release(read.lease_id)
