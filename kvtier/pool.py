@@ -37,6 +37,7 @@ class Pool:
             raise ValueError("a disk tier needs a directory: set disk_dir")
         self.layout = layout
         self.config = config
+        self._closed = False
         self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages)
         self.disk: DiskTier | None = None
         try:
@@ -59,9 +60,16 @@ class Pool:
         """Save host-only pages to disk, remove the host arena, close the disk index.
 
         Disk pages stay for the next start; host residency does not survive a restart.
+        A second call does nothing (a second persist would write through a closed index).
+        The arena is removed even if saving fails.
         """
-        self.store.persist()
-        self._close_tiers()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.store.persist()
+        finally:
+            self._close_tiers()
 
     def _close_tiers(self) -> None:
         if self.disk is not None:

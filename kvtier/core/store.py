@@ -247,7 +247,7 @@ class BlockStore:
         """A write lease on n free host pages, evicting or demoting cached pages if needed."""
         check_namespace(namespace)
         host = self.tiers[Tier.HOST]
-        if not isinstance(n, int) or n <= 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise InvalidArgument(f"borrow needs a positive page count, got {n!r}")
         if n > host.slots.capacity:
             raise InvalidArgument(
@@ -274,6 +274,13 @@ class BlockStore:
         check_keys(keys)
         if parent is not None:
             check_keys([parent])
+            if parent in keys:
+                # A block cannot follow itself: the cycle has no hash-chain meaning, and the
+                # prefix policy would never see the block as a leaf (never evictable).
+                raise InvalidArgument(
+                    f"parent key {parent.hex()} is also one of the keys committed after it; "
+                    "pass the key of the block before keys[0]"
+                )
         if len(keys) > len(lease.slots):
             raise InvalidArgument(
                 f"commit of {len(keys)} keys to lease {lease_id} which holds {len(lease.slots)} pages; "
@@ -370,6 +377,9 @@ class BlockStore:
         """
         check_namespace(namespace)
         check_keys(keys)
+        if tier != Tier.HOST:
+            # As in acquire: only host pages are lent, and the store has no other tier to load into.
+            raise InvalidArgument(f"prefetch into {tier.label} is not available: this daemon loads pages into host")
         held: list[Block] = []  # pinned while the loop runs, so later keys cannot evict earlier ones
         try:
             for key in keys:
@@ -397,12 +407,14 @@ class BlockStore:
         source = block.copies[Tier.DISK]
         state = self.tiers[tier]
         slot = state.slots.alloc()
+        # From the load on the slot holds this namespace's bytes, even if the page then fails
+        # its checksum and the slot is freed: a later borrow by another namespace must zero it.
+        self._host_owner[slot] = block.ref[0]
         if not self.mover.load(source.record, slot):
             state.slots.free(slot)
             self.tiers[Tier.DISK].counters.corrupt_pages += 1
             self._drop_copy(block, Tier.DISK)
             return False
-        self._host_owner[slot] = block.ref[0]
         self._add_copy(block, tier, Copy(slot))
         self._pin(block, tier)
         state.counters.promotions += 1
@@ -431,17 +443,29 @@ class BlockStore:
         if Tier.DISK not in self.tiers:
             return 0
         host_only = [b for b in self.blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
-        host_only.sort(key=lambda b: self._depth(b))  # prefixes before their suffixes
+        depths: dict[Ref, int] = {}
+        host_only.sort(key=lambda b: self._depth(b, depths))  # prefixes before their suffixes
         before = self.tiers[Tier.DISK].counters.demotions
         self._copy_to_disk(host_only[: self.tiers[Tier.DISK].slots.capacity])
         return self.tiers[Tier.DISK].counters.demotions - before
 
-    def _depth(self, block: Block) -> int:
-        depth, parent = 0, block.parent
-        while parent is not None and parent in self.blocks:
+    def _depth(self, block: Block, memo: dict[Ref, int]) -> int:
+        """How many cached ancestors `block` has. `memo` carries depths across calls, so
+        sorting a whole tier walks each chain once, not once per block (chains of 16-token
+        blocks run to thousands). A cycle of parents, which only a client passing made-up
+        parents can build, ends the walk instead of looping forever."""
+        path: list[Ref] = []
+        on_path: set[Ref] = set()
+        ref: Ref | None = block.ref
+        while ref is not None and ref in self.blocks and ref not in memo and ref not in on_path:
+            path.append(ref)
+            on_path.add(ref)
+            ref = self.blocks[ref].parent
+        depth = memo[ref] + 1 if ref in memo else 0  # below a known block, or a chain's first cached block
+        for ref in reversed(path):
+            memo[ref] = depth
             depth += 1
-            parent = self.blocks[parent].parent
-        return depth
+        return memo[block.ref]
 
     # -- leases and sessions --------------------------------------------------
     @_locked

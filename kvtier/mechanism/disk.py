@@ -60,6 +60,7 @@ class DiskTier:
         self.pages = pages
         self.fsync = fsync
         self.corrupt_pages = 0
+        self._fd = -1
         self._env = lmdb.open(
             os.path.join(directory, "index.lmdb"),
             map_size=max(64 << 20, pages * 1024),
@@ -67,17 +68,24 @@ class DiskTier:
             sync=fsync,
             metasync=fsync,
         )
-        self._db = self._env.open_db(b"pages")
-        self._meta = self._env.open_db(b"meta")
-        self._check_meta()
-        self._seq = self._max_seq()
-        self.slab_path = os.path.join(directory, "slab.bin")
-        self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
-        size = pages * layout.slot_bytes
-        if os.fstat(self._fd).st_size > size:
-            os.ftruncate(self._fd, size)
-        os.posix_fallocate(self._fd, 0, size)
-        self._drop_out_of_range()
+        try:
+            self._db = self._env.open_db(b"pages")
+            self._meta = self._env.open_db(b"meta")
+            self._check_meta()
+            self._seq = self._max_seq()
+            self.slab_path = os.path.join(directory, "slab.bin")
+            self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
+            size = pages * layout.slot_bytes
+            if os.fstat(self._fd).st_size > size:
+                os.ftruncate(self._fd, size)
+            os.posix_fallocate(self._fd, 0, size)
+            self._drop_out_of_range()
+        except BaseException:
+            # A refused directory (another layout) or a failed preallocation must not keep
+            # the index open: LMDB forbids opening one environment twice in a process, so
+            # a leaked handle would break the next, correct open of the same directory.
+            self.close()
+            raise
 
     # -- set-up ---------------------------------------------------------------
     def _check_meta(self) -> None:
@@ -160,7 +168,8 @@ class DiskTier:
         return True
 
     def close(self) -> None:
+        """Close the slab and the index. A second call does nothing."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-            self._env.close()
+        self._env.close()  # lmdb ignores repeated closes

@@ -71,15 +71,28 @@ class ReplayResult:
 
 
 def read_trace(path: str) -> Iterator[list[int]]:
-    """The `hash_ids` of each request, in order."""
+    """The `hash_ids` of each request, in order.
+
+    Every id is checked here, so a bad line is reported with its line number as a
+    ValueError (one line from the CLI) instead of failing later inside the store.
+    """
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield list(json.loads(line)["hash_ids"])
-            except (ValueError, KeyError, TypeError) as exc:
+                request = json.loads(line)
+                if not isinstance(request, dict) or "hash_ids" not in request:
+                    raise ValueError('no "hash_ids" field')
+                ids = request["hash_ids"]
+                if not isinstance(ids, list):
+                    raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
+                bad = [i for i in ids if type(i) is not int or not 0 <= i < 2**64]
+                if bad:
+                    raise ValueError(f"hash id {bad[0]!r} is not an integer in [0, 2**64)")
+            except (ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from None
+            yield ids
 
 
 def _key(hash_id: int) -> bytes:

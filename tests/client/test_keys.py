@@ -16,12 +16,19 @@ TOKENS = list(range(32))
 VECTORS = {
     "xxh3-128": {
         "root": "6eedb418f891cd13d01b62c81c10fb38",
+        "salted root": "dcf709867468e90bf1cee054f289d48b",
+        "probe": ["0a5f38af3acdea1fbce030e6d0547d28", "8eb4c7cef7bc3167f0edbaefee0ce668"],
         "chain": ["64cfe407263f52ded92a449797f627db", "8dd0d1c3d1d4c19e64abfa63c148279b"],
         "salted": ["2e24b7766f16eec65df52bb3614e33c2", "17c3b1f915ccf314ff07200dcc4ee748"],
         "fingerprint": "8eb4c7cef7bc3167f0edbaefee0ce668",
     },
     "sha256": {
         "root": "ee4d2d2a872caf5cd47b66a1199abf851f6a1372415bd1bba25ed64d5dfad449",
+        "salted root": "72e78ef65b8fae64cbeaaa68e81f849ed47c470f55c50f6668b8766701045396",
+        "probe": [
+            "628a036c286be5d1c0361c01dadae5996dd9c411395b0353b397caf1e9125efe",
+            "64055811b2df4928cb64beb85b19b74f0a47af77aaeb0e1fc6627dddcccb5b95",
+        ],
         "chain": [
             "8e4b5bceb5b4f488a7fc4d82b975b710bd6bddd389eebbae3e64589fd3028069",
             "a3a8899b570c9a51f4bb80a92441e82c8581302885bc507d77eb5b789d9798ea",
@@ -77,16 +84,34 @@ def test_spec_derivation_matches_published_vectors(algorithm):
     # The hand-built messages reproduce the pinned hex: the vectors follow the spec.
     v = VECTORS[algorithm]
     assert spec_root(algorithm).hex() == v["root"]
+    assert spec_root(algorithm, SALT).hex() == v["salted root"]
     assert [k.hex() for k in spec_keys(algorithm, TOKENS, 16)] == v["chain"]
     assert [k.hex() for k in spec_keys(algorithm, TOKENS, 16, SALT, EXTRAS)] == v["salted"]
     probe = spec_keys(algorithm, TOKENS, 16, b"kvtier-probe", [[], [b"lora:7"]])
+    assert [k.hex() for k in probe] == v["probe"]
     assert probe[-1].hex() == v["fingerprint"]
+
+
+def test_worked_bytes_of_the_spec():
+    # docs/block-keys.md, "Worked bytes": the root input is 23 bytes, block 0's input 88.
+    root_input = bytes.fromhex("6b7674696572 2d626c6f636b2d6b65792d7631 00000000".replace(" ", ""))
+    assert root_input == b"kvtier-block-key-v1" + bytes(4) and len(root_input) == 23
+    assert _h("xxh3-128", root_input).hex() == VECTORS["xxh3-128"]["root"]
+    block0 = bytes.fromhex(VECTORS["xxh3-128"]["root"]) + bytes([16, 0, 0, 0])
+    block0 += b"".join(bytes([t, 0, 0, 0]) for t in range(16)) + bytes(4)
+    assert len(block0) == 88
+    assert _h("xxh3-128", block0).hex() == VECTORS["xxh3-128"]["chain"][0]
+    # The canonical xxh3-128 form is what xxhash's digest() gives.
+    assert xxhash.xxh3_128(block0).digest() == _h("xxh3-128", block0)
 
 
 @pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
 def test_implementation_matches_published_vectors(algorithm):
     v = VECTORS[algorithm]
     assert root_key(b"", algorithm).hex() == v["root"]
+    assert root_key(SALT, algorithm).hex() == v["salted root"]
+    probe = block_keys(TOKENS, 16, salt=b"kvtier-probe", extras=[[], [b"lora:7"]], algorithm=algorithm)
+    assert [k.hex() for k in probe] == v["probe"]
     assert [k.hex() for k in block_keys(TOKENS, 16, algorithm=algorithm)] == v["chain"]
     salted = block_keys(TOKENS, 16, salt=SALT, extras=EXTRAS, algorithm=algorithm)
     assert [k.hex() for k in salted] == v["salted"]
@@ -116,6 +141,7 @@ def test_only_full_blocks_get_keys(algorithm):
     full = block_keys(TOKENS, 16, algorithm=algorithm)
     assert block_keys(TOKENS + [99] * 15, 16, algorithm=algorithm) == full
     assert block_keys(TOKENS[:15], 16, algorithm=algorithm) == []
+    assert block_keys(TOKENS[:31], 16, algorithm=algorithm) == full[:1]
     assert block_keys([], 16, algorithm=algorithm) == []
     assert len(block_keys(TOKENS + [99] * 16, 16, algorithm=algorithm)) == 3
 
@@ -152,9 +178,10 @@ def test_extras_change_their_block_and_later_ones_only(algorithm):
     assert one != two
 
 
-def test_extras_must_cover_every_full_block():
+def test_extras_must_cover_every_full_block_and_may_run_longer():
     with pytest.raises(ValueError, match="extras has 1 entries"):
         block_keys(TOKENS, 16, extras=[[]])
+    assert block_keys(TOKENS, 16, extras=EXTRAS + [[b"ignored"]]) == block_keys(TOKENS, 16, extras=EXTRAS)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -170,8 +197,16 @@ def test_parent_continues_the_chain(algorithm):
 
 @pytest.mark.parametrize(
     "tokens",
-    [[-1] + TOKENS[1:], TOKENS[:-1] + [2**32], np.zeros((2, 16), dtype=np.int64), [0.5] * 16, [2**64] * 16],
-    ids=["negative", "2**32", "2-D", "float", "huge"],
+    [
+        [-1] + TOKENS[1:],
+        TOKENS[:-1] + [2**32],
+        np.zeros((2, 16), dtype=np.int64),
+        [0.5] * 16,
+        [2**64] * 16,
+        [True] * 16,
+        np.arange(16, dtype=np.float32),
+    ],
+    ids=["negative", "2**32", "2-D", "float", "huge", "bool", "float array"],
 )
 def test_bad_token_ids_raise(tokens):
     with pytest.raises(ValueError):

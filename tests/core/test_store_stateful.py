@@ -1,0 +1,354 @@
+"""A hypothesis state machine over a real Pool (shared-memory arena + LMDB disk tier).
+
+Random sequences of borrow / commit / lookup / acquire / prefetch / release / end_session,
+with caller mistakes (too many pages, wrong session, released leases, uncached keys,
+duplicate keys) and injected failures (a rotten byte in a disk page on disk). After every
+step: the store's invariants hold, the disk index agrees, every page a read lease holds
+and every cached host and disk page holds the bytes committed under its key, and a
+borrowed page never carries another namespace's bytes. A refused request must leave the
+whole state (snapshot) unchanged; only a checksum failure may change it (it drops pages).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import tempfile
+import uuid
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound
+from kvtier_client.layout import PageLayout
+from kvtier_client.shm import SHM_DIR
+from kvtier_client.tiers import Tier
+
+from kvtier.pool import Pool, PoolConfig
+
+from store_helpers import check, read_page, snapshot, write_page
+
+LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages
+HOST_PAGES, DISK_PAGES = 3, 5
+NAMESPACES = ("A", "B")
+SESSIONS = ("s1", "s2")
+KEYS = [bytes([i]) * 8 for i in range(1, 7)]  # a small universe, so keys collide often
+FP = 64  # bytes of a page that identify what was written there; corruption happens after them
+
+keys_st = st.lists(st.sampled_from(KEYS), min_size=0, max_size=5)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: Pool | None = None
+        self.prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+        self.dir = tempfile.mkdtemp(prefix="kvtier-stateful-")
+        self.content: dict[tuple[str, bytes], bytes] = {}  # ref -> bytes committed under it
+        self.owner_of_fp: dict[bytes, str] = {}  # first FP bytes of everything written -> namespace
+        self.leases: dict[int, tuple[str, str, str, tuple[int, ...], tuple]] = {}  # id -> session, ns, kind, slots, refs
+        self.ended: list[tuple[int, str]] = []  # (lease id, its session) no longer live
+        self.corrupt: set[tuple[str, bytes, int]] = set()  # (ns, key, seq) of rotten disk pages
+        self.version = itertools.count()
+
+    # -- set-up and teardown --------------------------------------------------
+    @initialize(policy=st.sampled_from(["lru", "prefix"]), write_through=st.booleans())
+    def start(self, policy, write_through):
+        self.config = PoolConfig(
+            host_bytes=HOST_PAGES * LAYOUT.slot_bytes,
+            disk_bytes=DISK_PAGES * LAYOUT.slot_bytes,
+            disk_dir=self.dir,
+            policy=policy,
+            write_through=write_through,
+            fsync=False,
+            arena_prefix=self.prefix,
+        )
+        self.pool = Pool(LAYOUT, self.config)
+
+    def teardown(self) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.close()
+                assert not [n for n in os.listdir(SHM_DIR) if n.startswith(self.prefix)]
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def store(self):
+        return self.pool.store
+
+    # -- helpers --------------------------------------------------------------
+    def fresh_bytes(self, namespace: str, key: bytes) -> bytes:
+        seed = hashlib.sha256(b"%s|%s|%d" % (namespace.encode(), key, next(self.version))).digest()
+        data = np.random.default_rng(int.from_bytes(seed[:8], "little")).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8).tobytes()
+        self.owner_of_fp[data[:FP]] = namespace
+        return data
+
+    def refused(self, call, *errors):
+        """Run a call expected to be refused: it raises one of `errors` and changes nothing."""
+        before = snapshot(self.pool)
+        try:
+            result = call()
+        except errors:
+            assert snapshot(self.pool) == before
+            return None
+        raise AssertionError(f"expected one of {errors}, got {result!r}")
+
+    def live(self, kind: str | None = None) -> list[int]:
+        return sorted(i for i, lease in self.leases.items() if kind is None or lease[2] == kind)
+
+    # -- rules ----------------------------------------------------------------
+    @rule(session=st.sampled_from(SESSIONS), namespace=st.sampled_from(NAMESPACES), n=st.integers(-1, HOST_PAGES + 1))
+    def borrow(self, session, namespace, n):
+        if not 0 < n <= HOST_PAGES:
+            self.refused(lambda: self.store.borrow(session, namespace, n), InvalidArgument)
+            return
+        if n == HOST_PAGES and any(lease[3] for lease in self.leases.values()):  # an empty read lease holds nothing
+            # The whole tier, while some page is leased: refused, nothing changed.
+            self.refused(lambda: self.store.borrow(session, namespace, n), CapacityError)
+            return
+        before = snapshot(self.pool)
+        try:
+            lease = self.store.borrow(session, namespace, n)
+        except CapacityError:
+            event("borrow: capacity error")
+            assert snapshot(self.pool) == before
+            return
+        for slot in lease.slots:
+            head = read_page(self.pool, slot)[:FP]
+            if head != bytes(FP):
+                assert self.owner_of_fp.get(head) == namespace, f"borrowed slot {slot} carries another namespace's bytes"
+        self.leases[lease.lease_id] = (session, namespace, "write", lease.slots, ())
+
+    @rule(
+        session=st.sampled_from(SESSIONS),
+        namespace=st.sampled_from(NAMESPACES),
+        start=st.integers(0, len(KEYS) - 1),
+        n=st.integers(1, 3),
+    )
+    def put(self, session, namespace, start, n):
+        """The common path in one step: borrow n pages, fill them, commit a chain of keys."""
+        keys = KEYS[start : start + n]
+        parent = KEYS[start - 1] if start else None
+        try:
+            lease = self.store.borrow(session, namespace, len(keys))
+        except CapacityError:
+            return
+        self.leases[lease.lease_id] = (session, namespace, "write", lease.slots, ())
+        cached_before = set(self.store.blocks)
+        for slot, key in zip(lease.slots, keys):
+            data = self.fresh_bytes(namespace, key)
+            write_page(self.pool, slot, data)
+            if (namespace, key) not in cached_before:
+                self.content[(namespace, key)] = data
+        result = self.store.commit(session, lease.lease_id, keys, parent)
+        assert result.duplicates == tuple(i for i, k in enumerate(keys) if (namespace, k) in cached_before)
+        if result.duplicates:
+            event("commit: duplicates")
+        self.end(lease.lease_id)
+
+    @precondition(lambda self: self.live("write"))
+    @rule(data=st.data(), keys=keys_st, use_parent=st.booleans(), mistake=st.sampled_from(["none"] * 6 + ["session", "too many"]))
+    def commit(self, data, keys, use_parent, mistake):
+        lease_id = data.draw(st.sampled_from(self.live("write")))
+        session, namespace, _, slots, _ = self.leases[lease_id]
+        parent = data.draw(st.sampled_from([k for k in KEYS if k not in keys])) if use_parent else None
+        if mistake == "session":
+            other = next(s for s in SESSIONS if s != session)
+            self.refused(lambda: self.store.commit(other, lease_id, keys[: len(slots)], parent), FailedPrecondition)
+            return
+        if mistake == "too many" or len(keys) > len(slots):
+            keys = (keys + KEYS)[: len(slots) + 1]
+            self.refused(lambda: self.store.commit(session, lease_id, keys, parent), InvalidArgument)
+            return
+        written = []
+        for slot, key in zip(slots, keys):
+            written.append(self.fresh_bytes(namespace, key))
+            write_page(self.pool, slot, written[-1])
+        cached_before = set(self.store.blocks)
+        result = self.store.commit(session, lease_id, keys, parent)
+        for i, key in enumerate(keys):
+            ref = (namespace, key)
+            seen = ref in cached_before or key in keys[:i]
+            assert (i in result.duplicates) == seen, f"key {i} duplicate={i in result.duplicates}, cached before={seen}"
+            if not seen:
+                self.content[ref] = written[i]
+        assert result.committed == len(keys) - len(result.duplicates)
+        if result.duplicates:
+            event("commit: duplicates")
+        self.end(lease_id)
+
+    @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st)
+    def lookup(self, namespace, keys):
+        result = self.store.lookup(namespace, keys)
+        for i, key in enumerate(keys[: result.hit_blocks]):
+            assert result.tiers[i] == min(self.store.blocks[(namespace, key)].copies)
+        if result.hit_blocks < len(keys):
+            assert (namespace, keys[result.hit_blocks]) not in self.store.blocks
+
+    @rule(
+        session=st.sampled_from(SESSIONS),
+        namespace=st.sampled_from(NAMESPACES),
+        data=st.data(),
+        extra=st.sampled_from([None, None, None, "uncached", "twice"]),
+    )
+    def acquire(self, session, namespace, data, extra, keys=None):
+        if keys is None:
+            cached_keys = sorted(k for ns, k in self.store.blocks if ns == namespace)
+            keys = data.draw(st.lists(st.sampled_from(cached_keys), unique=True, max_size=HOST_PAGES) if cached_keys else st.just([]))
+        if extra == "uncached":
+            keys.append(data.draw(st.sampled_from(KEYS)))
+        elif extra == "twice" and keys:
+            keys.append(keys[0])
+        before = snapshot(self.pool)
+        cached = all((namespace, k) in self.store.blocks for k in keys)
+        try:
+            lease = self.store.acquire(session, namespace, keys)
+        except NotFound as exc:
+            if "checksum" in str(exc):
+                event("acquire: checksum failure")
+                # Rotten pages that had to be loaded were dropped from disk; no lease was
+                # opened and no pin taken by the call survives.
+                assert cached
+                dropped = [k for k in keys if set(before["blocks"][(namespace, k)][1]) == {Tier.DISK}
+                           and (namespace, k, before["blocks"][(namespace, k)][1][Tier.DISK][2].seq) in self.corrupt]
+                assert dropped
+                for k in dropped:
+                    assert (namespace, k) not in self.store.blocks
+                assert self.store.leases.keys() == before["leases"].keys()
+                for ref, block in self.store.blocks.items():
+                    for tier, copy in block.copies.items():
+                        was = before["blocks"].get(ref, (None, {}))[1].get(tier)
+                        assert copy.pins == (was[1] if was else 0)
+            else:
+                assert not cached
+                assert snapshot(self.pool) == before
+            return
+        except (InvalidArgument, CapacityError) as exc:
+            event(f"acquire: {type(exc).__name__}")
+            assert snapshot(self.pool) == before
+            return
+        if lease.promoted:
+            event("acquire: promoted from disk")
+        assert cached and len(set(keys)) == len(keys) <= HOST_PAGES
+        refs = tuple((namespace, k) for k in keys)
+        self.leases[lease.lease_id] = (session, namespace, "read", lease.slots, refs)
+
+    @rule(session=st.sampled_from(SESSIONS), data=st.data())
+    def acquire_from_disk(self, session, data):
+        """Acquire pages that are on disk only, so they must be promoted (or found rotten)."""
+        disk_only = sorted(ref for ref, b in self.store.blocks.items() if set(b.copies) == {Tier.DISK})
+        if not disk_only:
+            return
+        namespace = data.draw(st.sampled_from(sorted({ns for ns, _ in disk_only})))
+        keys = data.draw(st.lists(st.sampled_from([k for ns, k in disk_only if ns == namespace]), unique=True, min_size=1, max_size=2))
+        self.acquire(session, namespace, data, None, keys)
+
+    @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st)
+    def prefetch(self, namespace, keys):
+        loaded = self.store.prefetch(namespace, keys)
+        assert 0 <= loaded <= len(keys)
+        if loaded:
+            event("prefetch: loaded")
+
+    @rule(data=st.data(), mistake=st.sampled_from(["none", "none", "none", "session", "ended", "unknown"]))
+    def release(self, data, mistake):
+        if mistake == "unknown":
+            unknown = data.draw(st.sampled_from([0, -3, 10**6]))
+            self.refused(lambda: self.store.release(SESSIONS[0], unknown), NotFound)
+            return
+        if mistake == "ended":
+            if self.ended:
+                lease_id, session = data.draw(st.sampled_from(self.ended))
+                self.refused(lambda: self.store.release(session, lease_id), FailedPrecondition)
+                self.refused(lambda: self.store.commit(session, lease_id, [KEYS[0]]), FailedPrecondition)
+            return
+        if not self.leases:
+            return
+        lease_id = data.draw(st.sampled_from(self.live()))
+        session = self.leases[lease_id][0]
+        if mistake == "session":
+            other = next(s for s in SESSIONS if s != session)
+            self.refused(lambda: self.store.release(other, lease_id), FailedPrecondition)
+            return
+        self.store.release(session, lease_id)
+        self.end(lease_id)
+
+    @rule(session=st.sampled_from(SESSIONS))
+    def end_session(self, session):
+        mine = [i for i, lease in self.leases.items() if lease[0] == session]
+        assert self.store.end_session(session) == len(mine)
+        for lease_id in mine:
+            self.end(lease_id)
+
+    @precondition(lambda self: self.pool is not None and any(True for _ in self.pool.disk.records()))
+    @rule(data=st.data(), offset=st.integers(FP, LAYOUT.page_bytes - 1))
+    def rot_disk_page(self, data, offset):
+        record = data.draw(st.sampled_from(sorted(self.pool.disk.records(), key=lambda r: r.seq)))
+        with open(self.pool.disk.slab_path, "r+b") as f:
+            f.seek(record.slot * LAYOUT.slot_bytes + offset)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x55]))
+        self.corrupt.add((record.namespace, record.key, record.seq))
+
+    @rule()
+    def restart(self):
+        """A clean stop and a new pool on the same disk directory: what the disk holds (host-only
+        pages saved at close, as many as fit) comes back with its bytes; leases do not."""
+        before = set(self.store.blocks)
+        self.pool.close()
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(self.prefix)]
+        self.pool = Pool(LAYOUT, self.config)
+        after = set(self.store.blocks)
+        assert after <= before
+        assert len(after) == min(DISK_PAGES, len(before))
+        assert all(set(b.copies) == {Tier.DISK} for b in self.store.blocks.values())
+        self.leases.clear()
+        self.ended.clear()  # lease ids start again at 1 in the new store
+
+    def end(self, lease_id: int) -> None:
+        session = self.leases.pop(lease_id)[0]
+        self.ended.append((lease_id, session))
+
+    # -- after every step -----------------------------------------------------
+    @invariant()
+    def invariants_hold(self):
+        if self.pool is None:
+            return
+        check(self.pool)
+        assert set(self.store.leases) == set(self.leases)
+
+    @invariant()
+    def read_leases_see_committed_bytes(self):
+        if self.pool is None:
+            return
+        for lease_id, (_, _, kind, slots, refs) in self.leases.items():
+            for slot, ref in zip(slots, refs):
+                assert self.store.blocks[ref].copies[Tier.HOST].slot == slot
+                assert read_page(self.pool, slot) == self.content[ref], f"lease {lease_id} reads wrong bytes for {ref}"
+
+    @invariant()
+    def cached_pages_hold_committed_bytes(self):
+        if self.pool is None:
+            return
+        with open(self.pool.disk.slab_path, "rb") as slab:
+            for ref, block in self.store.blocks.items():
+                host = block.copies.get(Tier.HOST)
+                if host is not None:
+                    assert read_page(self.pool, host.slot) == self.content[ref], f"host copy of {ref} changed"
+                disk = block.copies.get(Tier.DISK)
+                if disk is not None and (ref[0], ref[1], disk.record.seq) not in self.corrupt:
+                    slab.seek(disk.slot * LAYOUT.slot_bytes)
+                    assert slab.read(LAYOUT.page_bytes) == self.content[ref], f"disk copy of {ref} changed"
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestStoreMachine = StoreMachine.TestCase
