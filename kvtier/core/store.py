@@ -22,7 +22,7 @@ request that cannot be met raises CapacityError with every structure untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -324,6 +324,8 @@ class BlockStore:
         """
         check_namespace(namespace)
         check_keys(keys)
+        if not keys:
+            raise InvalidArgument("acquire needs at least one key; look up first and acquire the hit prefix")
         if tier != Tier.HOST:
             raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends host pages")
         if len(set(keys)) != len(keys):
@@ -413,7 +415,7 @@ class BlockStore:
         if not self.mover.load(source.record, slot):
             state.slots.free(slot)
             self.tiers[Tier.DISK].counters.corrupt_pages += 1
-            self._drop_copy(block, Tier.DISK)
+            self._drop_copies([block], Tier.DISK)
             return False
         self._add_copy(block, tier, Copy(slot))
         self._pin(block, tier)
@@ -435,37 +437,23 @@ class BlockStore:
 
     @_locked
     def persist(self) -> int:
-        """Copy host-only pages to disk (clean shutdown), evicting colder disk pages if needed.
+        """Copy host-only pages to disk (clean shutdown), evicting colder disk-only pages if needed.
 
-        Host residency does not survive a restart; this keeps what the disk can hold.
+        Host residency does not survive a restart; this keeps what the disk can hold. Pages
+        go in commit order (the index's insertion order), so a prefix is saved before its
+        suffixes, and no disk copy of a page that is also in host is given up for another.
         Returns how many pages were copied.
         """
         if Tier.DISK not in self.tiers:
             return 0
         host_only = [b for b in self.blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
-        depths: dict[Ref, int] = {}
-        host_only.sort(key=lambda b: self._depth(b, depths))  # prefixes before their suffixes
+        pinned = self._pinned(Tier.DISK)
         before = self.tiers[Tier.DISK].counters.demotions
-        self._copy_to_disk(host_only[: self.tiers[Tier.DISK].slots.capacity])
+        self._copy_to_disk(
+            host_only[: self.tiers[Tier.DISK].slots.capacity],
+            keep=lambda ref: pinned(ref) or Tier.HOST in self.blocks[ref].copies,
+        )
         return self.tiers[Tier.DISK].counters.demotions - before
-
-    def _depth(self, block: Block, memo: dict[Ref, int]) -> int:
-        """How many cached ancestors `block` has. `memo` carries depths across calls, so
-        sorting a whole tier walks each chain once, not once per block (chains of 16-token
-        blocks run to thousands). A cycle of parents, which only a client passing made-up
-        parents can build, ends the walk instead of looping forever."""
-        path: list[Ref] = []
-        on_path: set[Ref] = set()
-        ref: Ref | None = block.ref
-        while ref is not None and ref in self.blocks and ref not in memo and ref not in on_path:
-            path.append(ref)
-            on_path.add(ref)
-            ref = self.blocks[ref].parent
-        depth = memo[ref] + 1 if ref in memo else 0  # below a known block, or a chain's first cached block
-        for ref in reversed(path):
-            memo[ref] = depth
-            depth += 1
-        return memo[block.ref]
 
     # -- leases and sessions --------------------------------------------------
     @_locked
@@ -554,18 +542,18 @@ class BlockStore:
         first where the disk tier can take them; what it cannot take is dropped."""
         if tier == Tier.HOST and Tier.DISK in self.tiers:
             self._copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
-        for block in victims:
-            self._drop_copy(block, tier)
-            self.tiers[tier].counters.evictions += 1
+        self._drop_copies(victims, tier)
+        self.tiers[tier].counters.evictions += len(victims)
 
-    def _copy_to_disk(self, blocks: list[Block]) -> None:
-        """Copy host pages to disk (demotion, or write-through), as many as the disk can take."""
+    def _copy_to_disk(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> None:
+        """Copy host pages to disk (demotion, or write-through), as many as the disk can take.
+        Disk pages for which `keep` is true (default: pinned ones) are never evicted for room."""
         if not blocks:
             return
         disk = self.tiers[Tier.DISK]
         short = len(blocks) - disk.slots.free_count
         if short > 0:
-            room = disk.policy.victims(short, self._pinned(Tier.DISK))
+            room = disk.policy.victims(short, keep or self._pinned(Tier.DISK))
             self._evict(Tier.DISK, [self.blocks[ref] for ref in room])
         fits = blocks[: disk.slots.free_count]
         moves = []
@@ -585,7 +573,14 @@ class BlockStore:
         state.policy.add(block.ref, block.parent)
         state.cached += 1
 
-    def _drop_copy(self, block: Block, tier: Tier) -> None:
+    def _drop_copies(self, blocks: list[Block], tier: Tier) -> None:
+        """Drop each block's copy in `tier`; disk copies leave the persistent index in one batch."""
+        records = [r for b in blocks if (r := self._drop_copy(b, tier)) is not None]
+        if records:
+            self.mover.forget(records)
+
+    def _drop_copy(self, block: Block, tier: Tier) -> DiskRecord | None:
+        """Remove one copy from the index and its tier; returns its disk record to forget, if any."""
         state = self.tiers[tier]
         copy = block.copies.pop(tier)
         if copy.pins:
@@ -593,10 +588,9 @@ class BlockStore:
         state.policy.remove(block.ref)
         state.slots.free(copy.slot)
         state.cached -= 1
-        if copy.record is not None:
-            self.mover.forget([copy.record])
         if not block.copies:
             del self.blocks[block.ref]
+        return copy.record
 
 
 def check_namespace(namespace: str) -> None:

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 _VALUE = struct.Struct("<IIQQ12sB")  # slot, length, checksum, seq, layout_id, len(parent)
 
 
+class DiskLayoutMismatch(RuntimeError):
+    """The directory holds pages of another layout: an operator problem, not a client's."""
+
+
 @dataclass(frozen=True)
 class DiskRecord:
     """One page's index entry. `checksum` is xxh3-64 of the page's `length` bytes."""
@@ -95,7 +99,7 @@ class DiskTier:
             if stored is None:
                 txn.put(b"layout", mine)
             elif stored != mine:
-                raise ValueError(
+                raise DiskLayoutMismatch(
                     f"disk tier at {self.directory} holds pages of {stored.decode()}, not {self.layout}; "
                     "point this layout at another directory or remove that one"
                 )

@@ -11,6 +11,7 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 
 import numpy as np
 from kvtier_client.layout import PageLayout
@@ -21,6 +22,10 @@ log = logging.getLogger(__name__)
 
 class ArenaInUse(RuntimeError):
     """Another live daemon owns an arena of this name."""
+
+
+class ArenaNoSpace(RuntimeError):
+    """/dev/shm cannot hold the arena."""
 
 
 class HostArena:
@@ -36,7 +41,6 @@ class HostArena:
         self.stale_removed = False
         self._fd = self._create_exclusive(shm_path(name))
         try:
-            os.ftruncate(self._fd, self.size)
             self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._unlink_and_close()
@@ -45,26 +49,48 @@ class HostArena:
         self._pretouch()
 
     def _create_exclusive(self, path: str) -> int:
-        """Create the arena file and lock it; replace a stale one, refuse a live one."""
+        """Create, size and lock the arena under a private name, then rename it into place.
+
+        Nobody ever sees an arena that is unlocked or not yet sized, so a daemon starting at
+        the same moment cannot mistake ours for a stale one. An existing arena whose lock is
+        free was left by a crashed daemon: its pages have no index (host residency is not
+        persisted) and may be half written, so it is replaced, not adopted.
+        """
+        tmp = f"{path}.creating-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        stale = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise ArenaInUse(
-                    f"host arena {self.name} is owned by a running daemon; stop it or give this one another name"
+                # Reserve the memory now: a full /dev/shm fails here with ENOSPC instead of
+                # a SIGBUS on first touch.
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                raise ArenaNoSpace(
+                    f"cannot reserve {self.size >> 20} MiB of shared memory for host arena {self.name} "
+                    f"({exc.strerror}); enlarge /dev/shm or lower host_size"
                 ) from None
-            # Nobody holds the lock: a daemon crashed and left it. Its pages have no index
-            # (host residency is not persisted) and may be half written, so remove it.
-            log.warning("removing stale host arena %s left by a daemon that exited uncleanly", self.name)
-            os.unlink(path)
+            try:
+                stale = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise ArenaInUse(
+                        f"host arena {self.name} is owned by a running daemon; stop it or give this one another arena prefix"
+                    ) from None
+                log.warning("replacing stale host arena %s left by a daemon that exited uncleanly", self.name)
+                self.stale_removed = True
+            os.rename(tmp, path)  # atomic; we still hold the stale one's lock, so no one else replaces it too
+        except BaseException:
+            os.unlink(tmp)
             os.close(fd)
-            self.stale_removed = True
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise
+        finally:
+            if stale >= 0:
+                os.close(stale)
         return fd
 
     def _pretouch(self) -> None:

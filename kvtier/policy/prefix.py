@@ -37,6 +37,10 @@ class PrefixLRUPolicy:
             heapq.heappush(self._leaves, (self._clock, ref))
 
     def add(self, ref: Ref, parent: Ref | None) -> None:
+        if parent is not None and self._children.get(ref) and self._descends_from(parent, ref):
+            # Clients name parents, so two blocks can name each other (a -> b, then b -> a).
+            # Such a loop has no leaf and could never be evicted: drop the edge that closes it.
+            parent = None
         self._parent[ref] = parent
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
@@ -44,6 +48,17 @@ class PrefixLRUPolicy:
 
     def touch(self, ref: Ref) -> None:
         self._stamp(ref)
+
+    def _descends_from(self, ref: Ref, ancestor: Ref) -> bool:
+        """Is `ancestor` on ref's parent chain in this tier? Only asked when a block that
+        already has children arrives, so the common commit of a fresh leaf walks nothing."""
+        seen: set[Ref] = set()
+        while ref is not None and ref in self._parent and ref not in seen:
+            if ref == ancestor:
+                return True
+            seen.add(ref)
+            ref = self._parent[ref]
+        return ref == ancestor
 
     def remove(self, ref: Ref) -> None:
         del self._last_use[ref]

@@ -30,6 +30,8 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 import kvtier
 from kvtier.core.store import StoreStats, check_namespace
+from kvtier.mechanism.disk import DiskLayoutMismatch
+from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace
 from kvtier.pool import Pool, PoolConfig
 from kvtier.server.config import ConfigError, DaemonConfig, load_tokens
 from kvtier.server.metrics import Metrics
@@ -126,8 +128,14 @@ class Daemon:
             )
             try:
                 pool = Pool(layout, pool_config)
-            except ValueError as exc:
+            except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
+            except (ArenaInUse, DiskLayoutMismatch) as exc:  # the operator's to fix; the log says so too
+                log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
+                raise FailedPrecondition(f"daemon cannot serve this layout: {exc}") from None
+            except ArenaNoSpace as exc:
+                log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
+                raise CapacityError(str(exc)) from None
             self.pools[layout.layout_id] = pool
             log.info("pool created", extra={"pool": layout.layout_id, "layout": repr(layout), "host_arena": pool.host.name})
             return pool

@@ -390,17 +390,15 @@ def test_persist_terminates_on_a_parent_cycle(make_pool):
     check(pool)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: under the prefix policy two blocks that name each other as parents "
-    "(across two commits) are never leaves, so they can never be evicted",
-)
 def test_a_parent_cycle_across_commits_stays_evictable_under_prefix(make_pool):
+    # Two blocks that name each other as parents (across two commits) would have no leaf;
+    # the prefix policy drops the edge that closes the loop, so both stay evictable.
     pool = make_pool(host_pages=2, policy="prefix")
     a, b = keys(2, seed=4)
     put(pool, [a], parent=b)
     put(pool, [b], parent=a)
-    pool.store.borrow("w", NS, 1)  # needs one of the two cached, unleased pages
+    pool.store.borrow("w", NS, 2)  # needs both cached, unleased pages
+    check(pool)
 
 
 def test_prefetch_loads_disk_pages_unpinned_and_stops_at_a_miss(make_pool):

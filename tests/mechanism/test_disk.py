@@ -11,7 +11,7 @@ import xxhash
 from kvtier_client.layout import PageLayout
 
 from kvtier.mechanism.directio import DIRECT_ALIGN, aligned_buffer
-from kvtier.mechanism.disk import DiskRecord, DiskTier
+from kvtier.mechanism.disk import DiskLayoutMismatch, DiskRecord, DiskTier
 
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages, 4096-byte slots
 
@@ -191,7 +191,7 @@ def test_layout_mismatch_on_reopen_raises(tmp_path, tiers):
     tier = tiers(directory, 2)
     record, data = write(tier, 0, 8)
     tier.close()
-    with pytest.raises(ValueError, match="holds pages of PageLayout.*remove that one"):
+    with pytest.raises(DiskLayoutMismatch, match="holds pages of PageLayout.*remove that one"):
         DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync=False)
     again = tiers(directory, 2)  # the refused open left the directory usable
     assert read(again, next(again.records())) == (True, data)
@@ -201,7 +201,7 @@ def test_a_refused_open_keeps_nothing_open(tmp_path, tiers):
     directory = str(tmp_path / "d")
     tiers(directory, 2).close()
     fds = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(ValueError) as refused:  # the traceback (and its frames) stay alive here
+    with pytest.raises(DiskLayoutMismatch) as refused:  # the traceback (and its frames) stay alive here
         DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync=False)
     assert len(os.listdir("/proc/self/fd")) == fds, "the refused DiskTier left its index or slab open"
     del refused
