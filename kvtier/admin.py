@@ -22,20 +22,31 @@ def _target(socket: str | None, target: str | None) -> str:
     return "unix://" + os.path.abspath(socket or os.environ.get("KVTIER_SOCKET") or default_socket())
 
 
-def _channel(target: str, tls_ca: str | None) -> grpc.Channel:
-    if tls_ca:
-        try:
-            with open(tls_ca, "rb") as f:
-                ca = f.read()
-        except OSError as exc:
-            raise click.ClickException(
-                f"cannot read --tls-ca {tls_ca} ({exc.strerror}); pass the PEM CA that signed the daemon's certificate"
-            ) from None
-        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {flag} {path} ({exc.strerror})") from None
+
+
+def _channel(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> grpc.Channel:
+    """Plaintext for a Unix socket; TLS (mutual with --tls-cert/--tls-key) for a TCP daemon."""
+    if bool(tls_cert) != bool(tls_key):
+        raise click.ClickException("--tls-cert and --tls-key go together (a client certificate for mutual TLS)")
+    if tls_ca or tls_cert:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(tls_ca, "--tls-ca") if tls_ca else None,
+            private_key=_read_pem(tls_key, "--tls-key") if tls_key else None,
+            certificate_chain=_read_pem(tls_cert, "--tls-cert") if tls_cert else None,
+        )
+        return grpc.secure_channel(target, credentials)
     return grpc.insecure_channel(target)
 
 
 def _connection_options(f):
+    f = click.option("--tls-key", help="PEM key of --tls-cert.")(f)
+    f = click.option("--tls-cert", help="PEM client certificate, for a daemon that requires mutual TLS.")(f)
     f = click.option("--tls-ca", help="PEM CA to verify a TCP daemon's certificate.")(f)
     f = click.option("--target", help="gRPC target instead of the socket, e.g. host:7070 or unix:///path.")(f)
     f = click.option("--socket", help="Daemon socket. Default: $KVTIER_SOCKET or $XDG_RUNTIME_DIR/kvtier/kvtier.sock.")(f)
@@ -86,12 +97,12 @@ def render_stats(reply: pb.StatsResponse) -> str:
 @click.option("--token", envvar="KVTIER_TOKEN", help="Bearer token, when the daemon requires one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until interrupted.")
-def stats(socket: str | None, target: str | None, tls_ca: str | None, token: str | None, as_json: bool, watch: float | None) -> None:
+def stats(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, token: str | None, as_json: bool, watch: float | None) -> None:
     """Show per-tier capacity, use, hit rates and movement, plus sessions and leases.
 
     Used = capacity - free; leased = borrowed (writing) + pinned by read leases."""
     address = _target(socket, target)
-    channel = _channel(address, tls_ca)
+    channel = _channel(address, tls_ca, tls_cert, tls_key)
     stub = kvtier_pb2_grpc.KVTierStub(channel)
     metadata = [("authorization", f"Bearer {token}")] if token else None
     try:
@@ -120,10 +131,11 @@ def stats(socket: str | None, target: str | None, tls_ca: str | None, token: str
 @click.command("health-check")
 @_connection_options
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for an answer.")
-def health_check(socket: str | None, target: str | None, tls_ca: str | None, timeout: float) -> None:
+def health_check(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+                 timeout: float) -> None:
     """Exit 0 only if the daemon reports SERVING (for probes and scripts)."""
     address = _target(socket, target)
-    channel = _channel(address, tls_ca)
+    channel = _channel(address, tls_ca, tls_cert, tls_key)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     except grpc.RpcError as exc:

@@ -13,9 +13,10 @@ from kvtier.bench.tiers import (
     QUICK_BYTES,
     format_size,
     format_table,
-    parse_size,
     run_tiers,
 )
+from kvtier.bench.rpc import render_rpc, run_rpc_bench
+from kvtier.units import parse_size
 
 
 class _Size(click.ParamType):
@@ -66,3 +67,15 @@ def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str
         click.echo(json.dumps(result.as_dict()))
     else:
         click.echo(format_table(result))
+
+
+@bench.command("rpc")
+@click.option("--iterations", type=click.IntRange(min=10), default=1000, show_default=True, help="Timed calls per measurement.")
+@click.option("--keys", "keys_per_call", type=click.IntRange(min=1, max=1024), default=64, show_default=True, help="Keys (pages) per batched call.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def rpc_command(iterations: int, keys_per_call: int, as_json: bool) -> None:
+    """Control-plane latency over the Unix socket: a batched Lookup and Acquire+Release
+    against a bare gRPC echo server measured in the same run (median, p99, ratio), and
+    pages per second through batched Borrow/Commit/Acquire/Release."""
+    result = run_rpc_bench(iterations, keys_per_call)
+    click.echo(json.dumps(result) if as_json else render_rpc(result))

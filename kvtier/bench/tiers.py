@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import re
 import shutil
 import statistics
 import tempfile
@@ -80,18 +79,6 @@ BASELINES = {
     "disk write": "O_DIRECT pwrite",
     "disk read": "O_DIRECT pread",
 }
-
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '262144', '256KiB', '256K', '2MiB', '2M' (binary units)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"page size {text!r} is not a size; write e.g. 256KiB, 2MiB or a byte count")
-    number, unit = int(match.group(1)), (match.group(2) or "b").lower()
-    return number * {"b": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[unit[0]]
-
 
 def format_size(nbytes: int) -> str:
     for unit, size in (("GiB", 1024 * MiB), ("MiB", MiB), ("KiB", KiB)):

@@ -10,7 +10,8 @@ DIRECT_ALIGN = 4096
 
 
 def open_direct(path: str, flags: int) -> tuple[int, bool]:
-    """Open with O_DIRECT if the filesystem supports it, else buffered (tmpfs refuses O_DIRECT).
+    """Open with O_DIRECT if the filesystem supports it, else buffered (some filesystems, and
+    tmpfs before Linux 6.6, refuse O_DIRECT at open with EINVAL).
 
     Returns (fd, direct).
     """

@@ -8,31 +8,15 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier.units import parse_size
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 class ConfigError(ValueError):
     """The configuration is unusable; the message says which key and how to fix it."""
-
-
-def parse_size(text: str | int, key: str = "size") -> int:
-    """'8GiB', '512MiB', '1.5GB', '4096' -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{key}: cannot read {text!r} as a size; write e.g. 8GiB, 512MiB or 0")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value < 0:
-        raise ConfigError(f"{key}: size must not be negative")
-    return value
 
 
 def parse_seconds(text: str | float, key: str) -> float:
@@ -131,7 +115,10 @@ _DURATIONS = {"session_timeout", "drain_timeout"}
 def _coerce(key: str, value: Any) -> Any:
     kind = {f.name: f.type for f in fields(DaemonConfig)}[key]
     if key in _SIZES:
-        return parse_size(value, key)
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
     if key in _DURATIONS:
         return parse_seconds(value, key)
     if kind == "bool":

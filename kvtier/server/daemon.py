@@ -27,6 +27,7 @@ from kvtier_client.keys import ALGORITHMS, hash_fingerprint
 from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
+from kvtier_client.wire import layout_from_proto
 
 import kvtier
 from kvtier.core.store import StoreStats, check_namespace
@@ -77,10 +78,7 @@ class Daemon:
                 f"daemon computes {expected}; the client's key hashing differs from docs/block-keys.md, upgrade or fix it"
             )
         try:
-            layout = PageLayout(
-                request.layout.layers, request.layout.kv_heads, request.layout.head_dim, request.layout.block_tokens,
-                request.layout.dtype or "float16", request.layout.order or "page_first",
-            )
+            layout = layout_from_proto(request.layout)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         pool = self._pool_for(layout)

@@ -12,12 +12,11 @@ from kvtier_client.errors import InvalidArgument, KVTierError, Unavailable
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
+from kvtier_client.wire import layout_to_proto, tier_to_proto
 
 from kvtier.core.store import LeaseKind, StoreStats, check_keys
 
 log = logging.getLogger(__name__)
-
-TIER_TO_PB = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST, Tier.DISK: pb.TIER_DISK}
 
 
 def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable:
@@ -59,7 +58,7 @@ def _tier_from_pb(value: int) -> Tier:
 def tier_stats_pb(stats: StoreStats) -> list[pb.TierStats]:
     return [
         pb.TierStats(
-            tier=TIER_TO_PB[t.tier], capacity_pages=t.capacity, free_pages=t.free, writing_pages=t.writing,
+            tier=tier_to_proto(t.tier), capacity_pages=t.capacity, free_pages=t.free, writing_pages=t.writing,
             cached_pages=t.cached, pinned_pages=t.pinned, hits=t.counters.hits, evictions=t.counters.evictions,
             promotions=t.counters.promotions, demotions=t.counters.demotions, bytes_in=t.counters.bytes_in,
             corrupt_pages=t.counters.corrupt_pages,
@@ -82,7 +81,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         self._open()
         session = self.daemon.register(request, context.invocation_metadata())
         pool = session.pool
-        tiers = [pb.TierInfo(tier=TIER_TO_PB[t.tier], capacity_pages=t.capacity) for t in pool.store.stats().tiers]
+        tiers = [pb.TierInfo(tier=tier_to_proto(t.tier), capacity_pages=t.capacity) for t in pool.store.stats().tiers]
         return pb.RegisterResponse(
             session_id=session.session_id,
             page_bytes=pool.layout.page_bytes,
@@ -108,14 +107,14 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     def Lookup(self, request, context) -> pb.LookupResponse:
         s = self.daemon.sessions.get(request.session_id)
         result = s.pool.store.lookup(s.namespace, list(request.keys))
-        return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[TIER_TO_PB[t] for t in result.tiers])
+        return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
         self._open()
         s = self.daemon.sessions.get(request.session_id)
         lease = s.pool.store.borrow(s.session_id, s.namespace, request.count)
-        return pb.BorrowResponse(lease_id=lease.lease_id, tier=TIER_TO_PB[lease.tier], slots=lease.slots)
+        return pb.BorrowResponse(lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots)
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
@@ -134,7 +133,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         # Promotion is synchronous in the core today, so every wait policy gets all pages ready.
         lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier)
         return pb.AcquireResponse(
-            lease_id=lease.lease_id, tier=TIER_TO_PB[lease.tier], slots=lease.slots,
+            lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
             ready=len(lease.slots), promoted=lease.promoted,
         )
 
@@ -166,10 +165,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             reply.pools.append(
                 pb.PoolStats(
                     pool_id=pool_id,
-                    layout=pb.PageLayout(
-                        layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                        block_tokens=layout.block_tokens, dtype=layout.dtype, order=layout.order,
-                    ),
+                    layout=layout_to_proto(layout),
                     page_bytes=layout.page_bytes, tiers=tier_stats_pb(stats),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
                 )

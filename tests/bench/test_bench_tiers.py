@@ -8,7 +8,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.tiers import COLUMNS, OPS, layout_for, parse_size
+from kvtier.bench.tiers import COLUMNS, OPS, layout_for
+from kvtier.units import parse_size
 from kvtier.cli import main
 
 SHM = "/dev/shm"
@@ -83,7 +84,7 @@ def test_bad_page_size_is_refused_with_a_message():
     assert "256KiB" in result.output
 
 
-@pytest.mark.parametrize("text, size", [("256KiB", 262144), ("2MiB", 2097152), ("2M", 2097152), ("4096", 4096), ("1 GiB", 2**30)])
+@pytest.mark.parametrize("text, size", [("256KiB", 262144), ("2MiB", 2097152), ("2MB", 2_000_000), ("4096", 4096), ("1 GiB", 2**30)])
 def test_parse_size(text, size):
     assert parse_size(text) == size
 

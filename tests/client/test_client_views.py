@@ -116,7 +116,7 @@ def test_close_keeps_pages_in_use_alive(shm_file):
 
 
 def test_close_keeps_tensors_in_use_alive(shm_file):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     layout = PageLayout(layers=1, kv_heads=1, head_dim=4, block_tokens=2, dtype="bfloat16")
     arena = _arena(shm_file, layout)
     tensor = arena.torch(2)

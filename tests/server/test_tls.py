@@ -128,6 +128,14 @@ def test_mutual_tls(daemons, connect, pki):
     d, address = tls_daemon(daemons, pki, "--tls-client-ca", str(pki.ca), name="mtls")
     assert refused(connect(address, token=TOKEN, credentials=pki.credentials())) == grpc.StatusCode.UNAVAILABLE
     round_trip(connect(address, token=TOKEN, credentials=pki.credentials(client=True)))
+    # The operator commands present a client certificate too.
+    cert, key = pki.ca.parent / "client.pem", pki.ca.parent / "client.key"
+    cert.write_bytes(pki.client_cert)
+    key.write_bytes(pki.client_key)
+    without = run_kvtier("health-check", "--target", address, "--tls-ca", str(pki.ca))
+    assert without.returncode == 1
+    with_cert = run_kvtier("health-check", "--target", address, "--tls-ca", str(pki.ca), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert with_cert.returncode == 0 and "SERVING" in with_cert.stdout, with_cert.stderr
 
 
 def test_insecure_tcp(daemons, connect):
