@@ -138,19 +138,22 @@ def _coerce(key: str, value: Any) -> Any:
     return str(value)
 
 
+def _read_toml(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
+
+
 def load_config(path: str | None, env: dict[str, str], flags: dict[str, Any]) -> DaemonConfig:
     """Merge defaults, the TOML file at `path`, KVTIER_<KEY> variables and flags (not None)."""
     known = {f.name for f in fields(DaemonConfig)}
     merged: dict[str, Any] = {}
     if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
-        for key, value in data.items():
+        for key, value in _read_toml(path, "config file").items():
             if key not in known:
                 raise ConfigError(f"config file {path}: unknown key {key!r}; see docs/configuration.md")
             merged[key] = _coerce(key, value)
@@ -166,14 +169,7 @@ def load_config(path: str | None, env: dict[str, str], flags: dict[str, Any]) ->
 
 def load_tokens(path: str) -> dict[str, frozenset[str]]:
     """token -> namespaces it may use ("*" = any)."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"tokens file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"tokens file {path}: {exc}") from None
-    table = data.get("tokens")
+    table = _read_toml(path, "tokens file").get("tokens")
     if not isinstance(table, dict) or not table:
         raise ConfigError(f'tokens file {path}: needs a [tokens] table, e.g. "s3cret" = ["tenant-a"]')
     tokens = {}

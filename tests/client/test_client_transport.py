@@ -6,7 +6,7 @@ import socket
 
 import numpy as np
 import pytest
-from client_certs import make_pki
+from pki import make_pki
 from client_helpers import LAYOUT, as_bytes, kv_pages, tokens
 from kvtier_client import (
     Backoff,
