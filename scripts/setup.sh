@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Create .venv and install kvtier, its client and the test tools from this checkout.
-# Idempotent: a second run only checks. Torch is the pinned CPU build (torch==2.13.0).
+# Torch is the pinned CPU build (torch==2.13.0). A second run installs nothing unless a
+# pyproject.toml changed (the stamp in .venv records what was installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.kvtier-setup
+want=$(cat pyproject.toml client/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+echo "setting up .venv (kvtier, kvtier-client, test tools, torch==2.13.0 CPU)..." >&2
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ./client -e '.[dev]' 'torch==2.13.0'
+echo "$want" >"$stamp"
