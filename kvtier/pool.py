@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from kvtier_client.layout import PageLayout
 
 from kvtier.core.store import BlockStore
-from kvtier.mechanism.disk import DiskTier
+from kvtier.mechanism.disk import DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
+from kvtier.mechanism.io import DiskReader, Observer
 from kvtier.mechanism.mover import ArenaMover
 
 
@@ -25,12 +26,17 @@ class PoolConfig:
     disk_dir: str | None = None
     policy: str = "lru"
     write_through: bool = False  # copy to disk at commit (True) or only when evicted from host (False)
-    fsync: bool = True  # flush page data before its index entry commits
+    fsync: FsyncPolicy | str = FsyncPolicy.BATCH  # when page data and index reach stable storage
+    fsync_interval: float = 1.0  # seconds, for fsync = interval
+    io_depth: int = 8  # disk reads (and writes) in flight at once
+    max_queued_prefetch: int = 256  # prefetch loads waiting for the disk; more hints are dropped
+    prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
     arena_prefix: str = "kvtier"  # host arenas are /dev/shm/<prefix>-<layout id>
 
 
 class Pool:
-    def __init__(self, layout: PageLayout, config: PoolConfig) -> None:
+    def __init__(self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None) -> None:
+        """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
         if disk_pages and not config.disk_dir:
@@ -40,16 +46,25 @@ class Pool:
         self._closed = False
         self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages)
         self.disk: DiskTier | None = None
+        self.reader: DiskReader | None = None
         try:
             if disk_pages:
-                self.disk = DiskTier(os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages, fsync=config.fsync)
+                self.disk = DiskTier(
+                    os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages,
+                    fsync=config.fsync, fsync_interval=config.fsync_interval, io_depth=config.io_depth,
+                )
+                self.reader = DiskReader(
+                    self.disk, self.host, depth=config.io_depth, max_queued_prefetch=config.max_queued_prefetch,
+                    observer=observer,
+                )
             self.store = BlockStore(
                 layout,
                 host_pages=host_pages,
                 disk_pages=disk_pages,
-                mover=ArenaMover(self.host, self.disk),
+                mover=ArenaMover(self.host, self.disk, self.reader),
                 policy=config.policy,
                 write_through=config.write_through,
+                prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),
             )
         except BaseException:
@@ -67,11 +82,16 @@ class Pool:
             return
         self._closed = True
         try:
+            self.store.stop_loads()
+            if self.reader is not None:
+                self.reader.close()  # loads in flight finish first
             self.store.persist()
         finally:
             self._close_tiers()
 
     def _close_tiers(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.disk is not None:
             self.disk.close()
         self.host.close()

@@ -50,7 +50,7 @@ class PoolFactory:
         disk_dir: str | None = None,
         **config,
     ) -> Pool:
-        config.setdefault("fsync", False)
+        config.setdefault("fsync", "never")
         pool = Pool(
             layout,
             PoolConfig(

@@ -283,7 +283,7 @@ class _Rep:
                 disk_dir=os.path.join(workdir, "tier"),
                 policy="lru",
                 write_through=False,
-                fsync=True,
+                fsync="batch",
                 arena_prefix=f"kvtier-bench-{os.getpid()}",
             ),
         )

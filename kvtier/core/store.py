@@ -22,6 +22,7 @@ request that cannot be met raises CapacityError with every structure untouched.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.slots import SlotAllocator
 from kvtier.mechanism.disk import DiskRecord
+from kvtier.mechanism.io import LoadJob, LoadKind
 from kvtier.mechanism.mover import PageMover
 from kvtier.policy import EvictionPolicy, Ref, make_policy
 
@@ -53,6 +55,10 @@ class Copy:
     slot: int
     pins: int = 0  # read leases holding this copy
     record: DiskRecord | None = None  # disk copies: the persisted index entry
+    loading: bool = False  # host copies: bytes still on their way from disk
+    waiters: int = 0  # acquires waiting on it, or loads reading from it (disk copies)
+    held_until: float = 0.0  # a loaded page is kept (monotonic time) until acquired or this passes
+    job: LoadJob | None = None  # the queued or running load, while loading
 
 
 @dataclass(eq=False)
@@ -73,7 +79,7 @@ class TierCounters:
     promotions: int = 0  # copies made here from a slower tier
     demotions: int = 0  # copies made here from a faster tier
     bytes_in: int = 0  # bytes copied into this tier by promotions and demotions
-    corrupt_pages: int = 0  # copies dropped here because they failed their checksum
+    corrupt_pages: int = 0  # copies dropped here because they failed its checksum
 
 
 @dataclass
@@ -127,8 +133,9 @@ class CommitResult:
 class ReadLease:
     lease_id: int
     tier: Tier
-    slots: tuple[int, ...]
-    promoted: int  # how many of the pages had to be loaded from a slower tier
+    slots: tuple[int, ...]  # the ready prefix: pages pinned and readable
+    promoted: int  # how many of the requested pages were not ready on arrival
+    ready: int
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ class StoreStats:
     miss_blocks: int
     leases: int
     sessions: int
+    acquired_pages: int = 0  # pages asked for by acquires
+    ready_on_arrival: int = 0  # of those, already in the target tier and loaded
+    loading: int = 0  # host pages whose load is in flight or queued
 
     def tier(self, tier: Tier) -> TierStats | None:
         return next((t for t in self.tiers if t.tier == tier), None)
@@ -175,6 +185,7 @@ class BlockStore:
         disk_pages: int = 0,
         policy: str = "lru",
         write_through: bool = False,
+        prefetch_hold: float = 10.0,
         recovered: Iterable[DiskRecord] = (),
     ) -> None:
         if host_pages <= 0:
@@ -182,6 +193,7 @@ class BlockStore:
         self.layout = layout
         self.mover = mover
         self.write_through = write_through
+        self.prefetch_hold = prefetch_hold
         self.blocks: dict[Ref, Block] = {}
         self.leases: dict[int, Lease] = {}
         self.sessions: dict[str, set[int]] = {}
@@ -191,6 +203,10 @@ class BlockStore:
         self._lookup_blocks = 0
         self._miss_blocks = 0
         self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)  # notified whenever a load ends
+        self._acquired_pages = 0
+        self._ready_on_arrival = 0
+        self._loading = 0  # host copies whose bytes are on their way
         if disk_pages > 0:
             self._recover_disk(disk_pages, policy, recovered)
 
@@ -239,7 +255,10 @@ class BlockStore:
                     TierCounters(**vars(state.counters)),
                 )
             )
-        return StoreStats(tuple(tiers), self._lookup_blocks, self._miss_blocks, len(self.leases), len(self.sessions))
+        return StoreStats(
+            tuple(tiers), self._lookup_blocks, self._miss_blocks, len(self.leases), len(self.sessions),
+            self._acquired_pages, self._ready_on_arrival, self._loading,
+        )
 
     # -- write path -----------------------------------------------------------
     @_locked
@@ -315,12 +334,16 @@ class BlockStore:
 
     # -- read path ------------------------------------------------------------
     @_locked
-    def acquire(self, session: str, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST) -> ReadLease:
-        """A read lease pinning every key's page in `tier`, loading disk-only pages first.
+    def acquire(
+        self, session: str, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, timeout: float | None = None
+    ) -> ReadLease:
+        """A read lease pinning the ready prefix of `keys` in `tier`, loading disk-only pages.
 
-        Every key must be cached (look up first and acquire the hit prefix). A page that
-        fails its checksum while loading is dropped; the call then raises NotFound and
-        holds nothing.
+        `timeout` is the wait policy: None waits for every page (and raises NotFound if a
+        page fails its checksum: it is dropped, nothing is held); 0 returns what is ready
+        now; t > 0 waits up to t seconds. Pages still loading when the call returns keep
+        loading and are held for `prefetch_hold` seconds, like a prefetch. Every key must
+        be cached (look up first and acquire the hit prefix).
         """
         check_namespace(namespace)
         check_keys(keys)
@@ -330,6 +353,8 @@ class BlockStore:
             raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends host pages")
         if len(set(keys)) != len(keys):
             raise InvalidArgument("acquire got the same key twice; pass each block once")
+        if timeout is not None and timeout < 0:
+            raise InvalidArgument(f"acquire timeout must be >= 0 seconds, got {timeout}")
         blocks = []
         for i, key in enumerate(keys):
             block = self.blocks.get((namespace, key))
@@ -339,89 +364,170 @@ class BlockStore:
         state = self.tiers[tier]
         if len(keys) > state.slots.capacity:
             raise InvalidArgument(f"acquire of {len(keys)} pages exceeds the {tier.label} tier's {state.slots.capacity}")
-        # Pin every copy involved, so that making room can evict none of them: the pages
-        # already here, and the disk copies about to be loaded.
-        missing = [b for b in blocks if tier not in b.copies]
-        for b in blocks:
-            self._pin(b, tier if b not in missing else Tier.DISK)
-        try:
-            self._make_room(tier, len(missing))
-        except CapacityError:
-            for b in blocks:
-                self._unpin(b, tier if b not in missing else Tier.DISK)
-            raise
-        corrupt = []
-        for b in missing:
-            self._unpin(b, Tier.DISK)
-            if not self._promote(b, tier):
-                corrupt.append(b)
-        if corrupt:
-            for b in blocks:
-                if tier in b.copies:
-                    self._unpin(b, tier)
-            first = keys.index(corrupt[0].ref[1])
+        self._start_loads(session, blocks, tier, LoadKind.ACQUIRE)  # CapacityError: nothing changed
+        ready_on_arrival = sum(1 for b in blocks if not b.copies[tier].loading)
+        self._acquired_pages += len(blocks)
+        self._ready_on_arrival += ready_on_arrival
+        # Wait (releasing the lock) until every page is loaded or failed, or the time is up.
+        # Our waiter count keeps each copy from eviction meanwhile.
+        end = None if timeout is None else time.monotonic() + timeout
+        while any(self.blocks.get(b.ref) is b and tier in b.copies and b.copies[tier].loading for b in blocks):
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            self._loaded.wait(remaining)
+        # A failed load dropped its block (both copies); `is b` also guards against a new
+        # block committed under the same key meanwhile.
+        alive = [self.blocks.get(b.ref) is b and tier in b.copies for b in blocks]
+        ready = 0
+        for b, here in zip(blocks, alive):
+            if not here or b.copies[tier].loading:
+                break
+            ready += 1
+        for b in blocks[:ready]:
+            self._pin(b, tier)
+        for b, here in zip(blocks, alive):
+            if here:
+                b.copies[tier].waiters -= 1
+        if timeout is None and ready < len(blocks):
+            for b in blocks[:ready]:
+                self._unpin(b, tier)
+            first = keys[ready]
             raise NotFound(
-                f"{len(corrupt)} page(s) from key {first} on failed their checksum on disk and were dropped; "
-                "recompute and commit them again"
+                f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
+                "recompute and commit it again"
             )
-        for b in blocks:
+        for b in blocks[:ready]:
+            b.copies[tier].held_until = 0.0  # pinned now; after release it ages like any page
             state.policy.touch(b.ref)
-        slots = [b.copies[tier].slot for b in blocks]
-        lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks])
-        return ReadLease(lease.lease_id, tier, tuple(slots), len(missing))
+        slots = [b.copies[tier].slot for b in blocks[:ready]]
+        lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])
+        return ReadLease(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready)
 
     @_locked
-    def prefetch(self, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST) -> int:
-        """Best effort: load the disk-only pages of `keys` into `tier`, unpinned, in order.
+    def prefetch(self, session: str, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0) -> int:
+        """Start loading the disk-only pages of `keys` into `tier`; returns at once.
 
-        Stops at the first key that is not cached, at the first corrupt page, or when no
-        more room can be made. Returns how many pages were loaded.
+        A hint, best effort: it stops at the first key that is not cached, when the
+        prefetch queue is full (back-pressure) or when no room can be made. A loaded page is
+        held for `prefetch_hold` seconds unless acquired. Returns how many leading keys are
+        now in `tier` or on their way (a page already loading counts: loads merge).
         """
         check_namespace(namespace)
         check_keys(keys)
         if tier != Tier.HOST:
-            # As in acquire: only host pages are lent, and the store has no other tier to load into.
             raise InvalidArgument(f"prefetch into {tier.label} is not available: this daemon loads pages into host")
-        held: list[Block] = []  # pinned while the loop runs, so later keys cannot evict earlier ones
-        try:
-            for key in keys:
-                block = self.blocks.get((namespace, key))
-                if block is None:
+        room = self.mover.prefetch_room()
+        accepted = 0
+        for key in keys:
+            block = self.blocks.get((namespace, key))
+            if block is None:
+                break
+            if tier not in block.copies:
+                if room == 0:
                     break
-                if tier not in block.copies:
-                    self._pin(block, Tier.DISK)
-                    try:
-                        self._make_room(tier, 1)
-                    except CapacityError:
-                        break
-                    finally:
-                        self._unpin(block, Tier.DISK)
-                    if not self._promote(block, tier):
-                        break
-                    held.append(block)
-        finally:
-            for block in held:
-                self._unpin(block, tier)
-        return len(held)
+                try:
+                    self._start_loads(session, [block], tier, LoadKind.PREFETCH, priority)
+                except CapacityError:
+                    break
+                block.copies[tier].waiters -= 1  # nobody waits: the hold protects it once loaded
+                room -= 1
+            accepted += 1
+        return accepted
 
-    def _promote(self, block: Block, tier: Tier) -> bool:
-        """Load a disk copy into a free slot of `tier`, pinned. False if the page was corrupt."""
-        source = block.copies[Tier.DISK]
+    def _start_loads(
+        self, session: str, blocks: list[Block], tier: Tier, kind: LoadKind, priority: int = 0
+    ) -> None:
+        """Register one waiter on each block's copy in `tier`, starting a load for each block
+        that has none (joining a load in flight instead: one transfer per page).
+
+        Raises CapacityError, having changed nothing, when room for the loads cannot be made.
+        """
+        missing = [b for b in blocks if tier not in b.copies]
+        present = [b for b in blocks if tier in b.copies]
+        # Protect everything involved while room is made: the copies here (as waiters,
+        # which they stay) and the disk copies about to be read.
+        for b in present:
+            b.copies[tier].waiters += 1
+        for b in missing:
+            b.copies[Tier.DISK].waiters += 1
+        try:
+            self._make_room(tier, len(missing))
+        except CapacityError:
+            for b in present:
+                b.copies[tier].waiters -= 1
+            raise
+        finally:
+            for b in missing:
+                b.copies[Tier.DISK].waiters -= 1
+        if kind is LoadKind.ACQUIRE:
+            for b in present:
+                if b.copies[tier].job is not None:
+                    self.mover.boost(b.copies[tier].job)  # an Acquire now waits on a queued prefetch
         state = self.tiers[tier]
-        slot = state.slots.alloc()
-        # From the load on the slot holds this namespace's bytes, even if the page then fails
-        # its checksum and the slot is freed: a later borrow by another namespace must zero it.
-        self._host_owner[slot] = block.ref[0]
-        if not self.mover.load(source.record, slot):
-            state.slots.free(slot)
-            self.tiers[Tier.DISK].counters.corrupt_pages += 1
-            self._drop_copies([block], Tier.DISK)
-            return False
-        self._add_copy(block, tier, Copy(slot))
-        self._pin(block, tier)
-        state.counters.promotions += 1
-        state.counters.bytes_in += self.layout.page_bytes
-        return True
+        for b in missing:
+            slot = state.slots.alloc()
+            # The slot holds this namespace's bytes from the read on, even if the page then
+            # fails its checksum: a later writer of another namespace must get it zeroed.
+            self._host_owner[slot] = b.ref[0]
+            source = b.copies[Tier.DISK]
+            source.waiters += 1  # the disk slot must not be reused while we read it
+            job = LoadJob(source.record, slot, kind, session, self._finish_load, priority)
+            self._add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
+            self._loading += 1
+            self.mover.load(job)
+
+    def _finish_load(self, job: LoadJob, ok: bool) -> None:
+        """A load ended (on an I/O worker, or at once in replay): publish or drop the page."""
+        with self._lock:
+            block = self.blocks[(job.record.namespace, job.record.key)]
+            copy = block.copies[Tier.HOST]
+            source = block.copies[Tier.DISK]
+            source.waiters -= 1
+            copy.loading = False
+            copy.job = None
+            self._loading -= 1
+            state = self.tiers[Tier.HOST]
+            if ok:
+                copy.held_until = time.monotonic() + self.prefetch_hold
+                state.counters.promotions += 1
+                state.counters.bytes_in += self.layout.page_bytes
+            else:
+                # Waiting acquires see the copy gone and stop their ready prefix before it.
+                copy.waiters = 0
+                self.tiers[Tier.DISK].counters.corrupt_pages += 1
+                self._drop_copies([block], Tier.HOST)
+                self._drop_copies([block], Tier.DISK)
+            self._loaded.notify_all()
+
+    def _cancel_loads(self, session: str) -> None:
+        """Withdraw a session's queued prefetches that no Acquire waits for."""
+        self._withdraw(self.mover.cancel(session, lambda job: self._copy_of(job).waiters == 0))
+
+    @_locked
+    def stop_loads(self) -> None:
+        """Withdraw every queued load (shutdown): waiting acquires return what is ready."""
+        self._withdraw(self.mover.cancel(None, lambda job: True))
+
+    def _withdraw(self, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            block = self.blocks[(job.record.namespace, job.record.key)]
+            block.copies[Tier.DISK].waiters -= 1
+            copy = block.copies[Tier.HOST]
+            copy.loading, copy.job, copy.waiters = False, None, 0
+            self._loading -= 1
+            self._drop_copies([block], Tier.HOST)
+        if jobs:
+            self._loaded.notify_all()
+
+    @_locked
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until no load is in flight (False if `timeout` seconds pass first). For
+        benchmarks and tests that need a quiet store, not for the request path."""
+        return self._loaded.wait_for(lambda: self._loading == 0, timeout)
+
+    def _copy_of(self, job: LoadJob) -> Copy:
+        return self.blocks[(job.record.namespace, job.record.key)].copies[Tier.HOST]
 
     def _pin(self, block: Block, tier: Tier) -> None:
         copy = block.copies[tier]
@@ -468,6 +574,7 @@ class BlockStore:
         ids = list(self.sessions.get(session, ()))
         for lease_id in ids:
             self._release(self.leases[lease_id])
+        self._cancel_loads(session)
         return len(ids)
 
     @contextmanager
@@ -520,8 +627,15 @@ class BlockStore:
         return lease
 
     # -- eviction and demotion ------------------------------------------------
-    def _pinned(self, tier: Tier):
-        return lambda ref: self.blocks[ref].copies[tier].pins > 0
+    def _pinned(self, tier: Tier) -> Callable[[Ref], bool]:
+        """Copies the policy must not choose: leased, loading, awaited, or held after a prefetch."""
+        now = time.monotonic()
+
+        def protected(ref: Ref) -> bool:
+            c = self.blocks[ref].copies[tier]
+            return bool(c.pins or c.waiters or c.loading or c.held_until > now)
+
+        return protected
 
     def _make_room(self, tier: Tier, n: int) -> None:
         """Make n slots of `tier` free, or raise CapacityError having changed nothing."""

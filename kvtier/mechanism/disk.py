@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import lmdb
 import xxhash
@@ -52,25 +55,60 @@ def _decode_key(raw: bytes) -> tuple[str, bytes]:
     return raw[2 : 2 + n].decode(), bytes(raw[2 + n :])
 
 
+class FsyncPolicy(str, Enum):
+    """When page data and the index reach stable storage (docs/tiers.md, "Durability").
+
+    batch     page data is flushed (fdatasync) before the index entries of its batch commit,
+              and each index commit is synced: a crash loses nothing that was committed.
+    interval  data and index are flushed together every `fsync_interval` seconds: a crash
+              loses up to that much recent work; a page whose data did not reach the disk
+              fails its checksum and is dropped, never served.
+    never     the OS flushes when it likes: fastest; a crash can lose any recent page (still
+              never served corrupt). For a cache that can always be recomputed.
+    """
+
+    BATCH = "batch"
+    INTERVAL = "interval"
+    NEVER = "never"
+
+
 class DiskTier:
     """The slab file and its index for one layout. Byte movement only; the core decides."""
 
-    def __init__(self, directory: str, layout: PageLayout, pages: int, *, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str,
+        layout: PageLayout,
+        pages: int,
+        *,
+        fsync: FsyncPolicy | str = FsyncPolicy.BATCH,
+        fsync_interval: float = 1.0,
+        io_depth: int = 8,
+    ) -> None:
         if pages <= 0:
             raise ValueError(f"disk tier needs at least one page, got {pages}")
+        if io_depth < 1:
+            raise ValueError(f"io_depth must be at least 1, got {io_depth}")
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.layout = layout
         self.pages = pages
-        self.fsync = fsync
+        self.fsync = FsyncPolicy(fsync)
         self.corrupt_pages = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._counter_lock = threading.Lock()
         self._fd = -1
+        self._writers = ThreadPoolExecutor(io_depth, thread_name_prefix="kvtier-disk-write")
+        self._flusher: threading.Thread | None = None
+        self._stop_flusher = threading.Event()
+        synced = self.fsync is FsyncPolicy.BATCH
         self._env = lmdb.open(
             os.path.join(directory, "index.lmdb"),
             map_size=max(64 << 20, pages * 1024),
             max_dbs=2,
-            sync=fsync,
-            metasync=fsync,
+            sync=synced,
+            metasync=synced,
         )
         try:
             self._db = self._env.open_db(b"pages")
@@ -84,6 +122,11 @@ class DiskTier:
                 os.ftruncate(self._fd, size)
             os.posix_fallocate(self._fd, 0, size)
             self._drop_out_of_range()
+            if self.fsync is FsyncPolicy.INTERVAL:
+                self._flusher = threading.Thread(
+                    target=self._flush_every, args=(fsync_interval,), name="kvtier-disk-flush", daemon=True
+                )
+                self._flusher.start()
         except BaseException:
             # A refused directory (another layout) or a failed preallocation must not keep
             # the index open: LMDB forbids opening one environment twice in a process, so
@@ -132,23 +175,20 @@ class DiskTier:
 
     # -- bytes ----------------------------------------------------------------
     def write_pages(self, items: Sequence[tuple[DiskRecord, memoryview]]) -> list[DiskRecord]:
-        """Write each page's slot from an aligned source (a host slot), then commit the index.
+        """Write each page's slot from an aligned source (a host slot), `io_depth` writes in
+        parallel, flush per the fsync policy, then commit the batch's index entries at once.
 
         Returns the records as stored (with length, checksum and sequence filled in).
         """
-        length = self.layout.page_bytes
-        stored: list[DiskRecord] = []
-        for record, src in items:
+        for _, src in items:
             if len(src) != self.layout.slot_bytes:
                 raise ValueError(f"source must be one whole slot of {self.layout.slot_bytes} bytes")
-            written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
-            if written != len(src):
-                raise OSError(f"short write to {self.slab_path}: {written} of {len(src)} bytes")
+        checksums = list(self._writers.map(self._write_one, items))
+        stored = []
+        for (record, _), checksum in zip(items, checksums):
             self._seq += 1
-            stored.append(
-                replace(record, length=length, checksum=xxhash.xxh3_64_intdigest(src[:length]), seq=self._seq)
-            )
-        if self.fsync and stored:
+            stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=self._seq))
+        if self.fsync is FsyncPolicy.BATCH and stored:
             os.fdatasync(self._fd)
         with self._env.begin(write=True, db=self._db) as txn:
             for r in stored:
@@ -156,6 +196,25 @@ class DiskTier:
                 value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
                 txn.put(_encode_key(r.namespace, r.key), value + parent)
         return stored
+
+    def _write_one(self, item: tuple[DiskRecord, memoryview]) -> int:
+        """pwrite one slot (straight from the host page: no bounce buffer); returns its checksum."""
+        record, src = item
+        written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
+        if written != len(src):
+            raise OSError(f"short write to {self.slab_path}: {written} of {len(src)} bytes")
+        with self._counter_lock:
+            self.bytes_written += written
+        return xxhash.xxh3_64_intdigest(src[: self.layout.page_bytes])
+
+    def _flush_every(self, interval: float) -> None:
+        while not self._stop_flusher.wait(interval):
+            self.flush()
+
+    def flush(self) -> None:
+        """Make everything written so far durable: data first, then the index."""
+        os.fdatasync(self._fd)
+        self._env.sync(True)
 
     def read_page(self, record: DiskRecord, dest: memoryview) -> bool:
         """Read a page into an aligned destination slot and verify it.
@@ -165,6 +224,8 @@ class DiskTier:
         if len(dest) != self.layout.slot_bytes:
             raise ValueError(f"destination must be one whole slot of {self.layout.slot_bytes} bytes")
         got = os.preadv(self._fd, [dest], record.slot * self.layout.slot_bytes)
+        with self._counter_lock:
+            self.bytes_read += got
         if got != len(dest) or xxhash.xxh3_64_intdigest(dest[: record.length]) != record.checksum:
             self.corrupt_pages += 1
             log.warning("dropping corrupt page in slot %d of %s", record.slot, self.slab_path)
@@ -172,7 +233,14 @@ class DiskTier:
         return True
 
     def close(self) -> None:
-        """Close the slab and the index. A second call does nothing."""
+        """Flush (unless the policy is never), close the slab and the index. A second call does nothing."""
+        if self._flusher is not None:
+            self._stop_flusher.set()
+            self._flusher.join()
+            self._flusher = None
+        self._writers.shutdown()
+        if self._fd >= 0 and self.fsync is not FsyncPolicy.NEVER:
+            self.flush()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -2,14 +2,17 @@
 
 The core calls a `PageMover`; this is the one that moves real bytes. Trace replay uses one
 that only keeps the books (kvtier.replay), which is why the core depends on the protocol.
+Loads are asynchronous (a job's `on_done` reports the result); stores are synchronous
+batches, parallel inside the disk tier.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from kvtier.mechanism.disk import DiskRecord, DiskTier
 from kvtier.mechanism.host import HostArena
+from kvtier.mechanism.io import DiskReader, LoadJob
 
 
 class PageMover(Protocol):
@@ -19,19 +22,31 @@ class PageMover(Protocol):
     def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
         """Copy host slots to the disk slots named in the records; return the stored records."""
 
-    def load(self, record: DiskRecord, host_slot: int) -> bool:
-        """Copy a disk page into a host slot; False if it failed its checksum (drop it)."""
+    def load(self, job: LoadJob) -> None:
+        """Start copying a disk page into a host slot; `job.on_done(job, ok)` reports the
+        result, ok False if the page failed its checksum (drop it). May call back at once."""
+
+    def prefetch_room(self) -> int:
+        """How many prefetch loads can be queued now (back-pressure)."""
+
+    def boost(self, job: LoadJob) -> None:
+        """Run a queued prefetch load with Acquire priority."""
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        """Withdraw a session's (None: every session's) queued loads that `cancellable`
+        allows; returns them."""
 
     def forget(self, records: Iterable[DiskRecord]) -> None:
         """Remove disk pages from the persistent index."""
 
 
 class ArenaMover:
-    """Moves bytes between a HostArena and (optionally) a DiskTier."""
+    """Moves bytes between a HostArena and (optionally) a DiskTier with its DiskReader."""
 
-    def __init__(self, host: HostArena, disk: DiskTier | None) -> None:
+    def __init__(self, host: HostArena, disk: DiskTier | None, reader: DiskReader | None) -> None:
         self.host = host
         self.disk = disk
+        self.reader = reader
 
     def clear_host(self, slot: int) -> None:
         self.host.clear(slot)
@@ -41,11 +56,25 @@ class ArenaMover:
             raise RuntimeError("no disk tier configured: the core must not move pages to disk")
         return self.disk
 
+    def _reader(self) -> DiskReader:
+        if self.reader is None:
+            raise RuntimeError("no disk tier configured: the core must not load pages from disk")
+        return self.reader
+
     def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
         return self._disk().write_pages([(record, self.host.view(slot)) for slot, record in moves])
 
-    def load(self, record: DiskRecord, host_slot: int) -> bool:
-        return self._disk().read_page(record, self.host.view(host_slot))
+    def load(self, job: LoadJob) -> None:
+        self._reader().submit(job)
+
+    def prefetch_room(self) -> int:
+        return self.reader.prefetch_room() if self.reader is not None else 0
+
+    def boost(self, job: LoadJob) -> None:
+        self._reader().boost(job)
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        return self.reader.cancel(session, cancellable) if self.reader is not None else []
 
     def forget(self, records: Iterable[DiskRecord]) -> None:
         self._disk().forget(records)

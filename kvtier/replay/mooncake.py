@@ -8,7 +8,7 @@ cached block, which also promotes it from disk; borrow+commit for a new one).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier_client.layout import PageLayout
@@ -16,6 +16,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.store import BlockStore
 from kvtier.mechanism.disk import DiskRecord
+from kvtier.mechanism.io import LoadJob
 
 TRACE_BLOCK_TOKENS = 512
 _NAMESPACE = "trace"
@@ -33,8 +34,17 @@ class BookkeepingMover:
     def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
         return [replace(record, length=_LAYOUT.page_bytes) for _, record in moves]
 
-    def load(self, record: DiskRecord, host_slot: int) -> bool:
-        return True
+    def load(self, job: LoadJob) -> None:
+        job.on_done(job, True)
+
+    def prefetch_room(self) -> int:
+        return 0
+
+    def boost(self, job: LoadJob) -> None:
+        pass
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        return []
 
     def forget(self, records: Iterable[DiskRecord]) -> None:
         pass
@@ -100,7 +110,8 @@ def _key(hash_id: int) -> bytes:
 
 
 def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: str = "lru") -> ReplayResult:
-    store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, mover=BookkeepingMover(), policy=policy)
+    store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, mover=BookkeepingMover(), policy=policy,
+                       prefetch_hold=0.0)
     n_requests = 0
     for ids in requests:
         n_requests += 1

@@ -58,7 +58,11 @@ class DaemonConfig:
     disk_size: int = 8 << 30
     policy: str = "lru"
     write_through: bool = False
-    fsync: bool = True
+    fsync: str = "batch"  # batch | interval | never (docs/tiers.md, "Durability")
+    fsync_interval: float = 1.0  # seconds between flushes for fsync = interval
+    io_depth: int = 8  # disk reads and writes in flight per pool
+    max_queued_prefetch: int = 256  # prefetch loads queued per pool; further hints are dropped
+    prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
     session_timeout: float = 3.0  # seconds without a heartbeat before a session's leases go
     drain_timeout: float = 10.0  # seconds SIGTERM waits for leases to be released
     metrics_port: int = 0  # 0 = no Prometheus endpoint
@@ -100,6 +104,12 @@ class DaemonConfig:
             raise ConfigError("tls_cert and tls_key go together")
         if self.host_size <= 0:
             raise ConfigError("host_size must be positive: the host tier is where engines read and write pages")
+        if self.fsync not in ("batch", "interval", "never"):
+            raise ConfigError(f"fsync: unknown {self.fsync!r}; use batch, interval or never")
+        if self.io_depth < 1 or self.io_depth > 256:
+            raise ConfigError("io_depth must be between 1 and 256")
+        if self.max_queued_prefetch < 0:
+            raise ConfigError("max_queued_prefetch must be >= 0 (0 turns prefetch off)")
         if self.max_pools < 1:
             raise ConfigError("max_pools must be at least 1")
         if self.log_format not in ("json", "text"):
@@ -109,7 +119,7 @@ class DaemonConfig:
 
 
 _SIZES = {"host_size", "disk_size"}
-_DURATIONS = {"session_timeout", "drain_timeout"}
+_DURATIONS = {"session_timeout", "drain_timeout", "fsync_interval", "prefetch_hold"}
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -20,6 +20,8 @@ from kvtier_client.errors import (
     CapacityError,
     FailedPrecondition,
     InvalidArgument,
+    KVTierError,
+    NotFound,
     PermissionDenied,
     Unauthenticated,
 )
@@ -36,7 +38,6 @@ from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace
 from kvtier.pool import Pool, PoolConfig
 from kvtier.server.config import ConfigError, DaemonConfig, load_tokens
 from kvtier.server.metrics import Metrics
-from kvtier.server.prefetch import Prefetcher
 from kvtier.server.service import KVTierService
 from kvtier.server.sessions import Session, SessionManager
 
@@ -54,8 +55,7 @@ class Daemon:
         self.pools: dict[str, Pool] = {}
         self._pools_lock = threading.Lock()
         self.sessions = SessionManager(config.session_timeout, self._session_ended)
-        self.prefetcher = Prefetcher()
-        self.metrics = Metrics(self.snapshot, lambda pool_id: self.pools[pool_id].layout.page_bytes)
+        self.metrics = Metrics(self.snapshot, lambda pool_id: self.pools[pool_id].layout.page_bytes, self.disk_snapshot)
         self.health = health.HealthServicer()
         for name in ("", SERVICE_NAME):  # HealthServicer starts as SERVING; we are not, until start() ends
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -122,10 +122,14 @@ class Daemon:
                 policy=self.config.policy,
                 write_through=self.config.write_through,
                 fsync=self.config.fsync,
+                fsync_interval=self.config.fsync_interval,
+                io_depth=self.config.io_depth,
+                max_queued_prefetch=self.config.max_queued_prefetch,
+                prefetch_hold=self.config.prefetch_hold,
                 arena_prefix=self.config.arena_prefix,
             )
             try:
-                pool = Pool(layout, pool_config)
+                pool = Pool(layout, pool_config, observer=self.metrics.observe_load)
             except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
             except (ArenaInUse, DiskLayoutMismatch) as exc:  # the operator's to fix; the log says so too
@@ -149,6 +153,27 @@ class Daemon:
         with self._pools_lock:
             pools = list(self.pools.items())
         return [(pool_id, pool.store.stats()) for pool_id, pool in pools], self.sessions.count()
+
+    def disk_snapshot(self) -> list:
+        with self._pools_lock:
+            pools = list(self.pools.items())
+        return [
+            (pool_id, pool.reader.stats(), pool.disk.bytes_read, pool.disk.bytes_written)
+            for pool_id, pool in pools
+            if pool.reader is not None and pool.disk is not None
+        ]
+
+    def check_still_open(self, session: Session, lease_id: int) -> None:
+        """A lease granted while its session was ending (a long Acquire wait, a crash in the
+        middle of a Borrow) would outlive the session: release it and say so."""
+        if self.sessions.is_open(session.session_id):
+            return
+        try:
+            session.pool.store.release(session.session_id, lease_id)
+        except KVTierError:
+            pass  # end_session released it already
+        self.lease_ended()
+        raise NotFound("the session ended while this call ran; register again")
 
     def uptime(self) -> float:
         return time.monotonic() - self._started
@@ -184,7 +209,6 @@ class Daemon:
         self._server.start()
         os.chmod(cfg.socket, 0o660)
         self.sessions.start()
-        self.prefetcher.start()
         if cfg.metrics_port:
             self._metrics_server, _ = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         for name in ("", SERVICE_NAME):
@@ -207,7 +231,6 @@ class Daemon:
         if not drained:
             log.warning("drain timed out; releasing the remaining leases", extra={"leases": self._leases()})
         self.sessions.close_all("daemon shutdown")
-        self.prefetcher.stop()
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
         self.sessions.stop()

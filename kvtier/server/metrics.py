@@ -11,10 +11,14 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.core.store import StoreStats
+from kvtier.mechanism.io import IOStats, LoadKind
 
-# (pool id, stats) for each pool, plus session and lease counts.
+# (pool id, stats) for each pool, plus the session count.
 Snapshot = Callable[[], tuple[list[tuple[str, StoreStats]], int]]
+# (pool id, reader stats, bytes read, bytes written) for each pool with a disk tier.
+DiskSnapshot = Callable[[], list[tuple[str, IOStats, int, int]]]
 
+_LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -38,7 +42,7 @@ class _StoreCollector:
         promotions = CounterMetricFamily("kvtier_promotions", "Copies made in a tier from a slower tier.", labels=labels)
         demotions = CounterMetricFamily("kvtier_demotions", "Copies made in a tier from a faster tier.", labels=labels)
         moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes copied between tiers.", labels=["pool", "src", "dst"])
-        corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed their checksum.", labels=labels)
+        corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed its checksum.", labels=labels)
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, stats in pools:
             page_bytes = self._page_bytes(pool_id)
@@ -61,17 +65,51 @@ class _StoreCollector:
                     moved.add_metric([pool_id, Tier(t.tier + 1).label, t.tier.label], c.promotions * page_bytes)
                 if c.demotions:
                     moved.add_metric([pool_id, Tier(t.tier - 1).label, t.tier.label], c.demotions * page_bytes)
+        arrivals = CounterMetricFamily(
+            "kvtier_acquire_pages", "Pages asked for by Acquire, by whether they were ready on arrival or had to load.",
+            labels=["pool", "on_arrival"],
+        )
+        for pool_id, stats in pools:
+            arrivals.add_metric([pool_id, "ready"], stats.ready_on_arrival)
+            arrivals.add_metric([pool_id, "loaded"], stats.acquired_pages - stats.ready_on_arrival)
+        yield arrivals
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
         yield from (capacity, capacity_bytes, pages, hits, misses, evictions, promotions, demotions, moved, corrupt, leases, session_gauge)
 
 
+class _DiskCollector:
+    def __init__(self, snapshot: DiskSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        read = CounterMetricFamily("kvtier_disk_read_bytes", "Bytes read from the disk tier.", labels=["pool"])
+        written = CounterMetricFamily("kvtier_disk_written_bytes", "Bytes written to the disk tier.", labels=["pool"])
+        queued = GaugeMetricFamily("kvtier_disk_queue_depth", "Disk loads waiting for a reader, by kind.", labels=["pool", "kind"])
+        in_flight = GaugeMetricFamily("kvtier_disk_reads_in_flight", "Disk loads being read now.", labels=["pool"])
+        for pool_id, io, bytes_read, bytes_written in self._snapshot():
+            read.add_metric([pool_id], bytes_read)
+            written.add_metric([pool_id], bytes_written)
+            queued.add_metric([pool_id, "acquire"], io.queued_acquire)
+            queued.add_metric([pool_id, "prefetch"], io.queued_prefetch)
+            in_flight.add_metric([pool_id], io.in_flight)
+        yield from (read, written, queued, in_flight)
+
+
 class Metrics:
     """The daemon's registry: store collector plus RPC latency by method and status code."""
 
-    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int]) -> None:
+    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int], disk_snapshot: DiskSnapshot) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(snapshot, page_bytes))
+        self.registry.register(_DiskCollector(disk_snapshot))
+        self.load_duration = Histogram(
+            "kvtier_disk_load_duration_seconds",
+            "Time from queueing a disk page load to the page being in host memory, by kind (acquire, prefetch) and result.",
+            ["kind", "result"],
+            buckets=_LOAD_BUCKETS,
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "kvtier_rpc_duration_seconds",
             "Time to serve an RPC, by method and gRPC status code.",
@@ -79,6 +117,10 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+
+    def observe_load(self, kind: LoadKind, seconds: float, nbytes: int, ok: bool) -> None:
+        """The pools' DiskReader observer."""
+        self.load_duration.labels(kind.name.lower(), "ok" if ok else "corrupt").observe(seconds)
 
     def serve(self, host: str, port: int):
         """Start the /metrics HTTP endpoint; returns (server, thread) for shutdown."""

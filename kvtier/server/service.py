@@ -14,7 +14,7 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_to_proto, tier_to_proto
 
-from kvtier.core.store import LeaseKind, StoreStats, check_keys
+from kvtier.core.store import LeaseKind, StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,19 @@ def _tier_from_pb(value: int) -> Tier:
     if value == pb.TIER_DEVICE:
         raise InvalidArgument("this daemon has no device tier (no GPU); acquire into TIER_HOST")
     raise InvalidArgument(f"pages can be acquired into host (or device on GPU daemons), not tier {value}")
+
+
+def _wait_timeout(request: pb.AcquireRequest) -> float | None:
+    """The wait policy as the core's timeout: None = all, 0 = none, t = deadline."""
+    if request.wait == pb.WAIT_NONE:
+        return 0.0
+    if request.wait == pb.WAIT_DEADLINE:
+        if request.deadline_ms == 0:
+            raise InvalidArgument("WAIT_DEADLINE needs deadline_ms > 0")
+        return request.deadline_ms / 1000
+    if request.wait in (pb.WAIT_ALL, pb.WAIT_POLICY_UNSPECIFIED):
+        return None
+    raise InvalidArgument(f"unknown wait policy {request.wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
 def tier_stats_pb(stats: StoreStats) -> list[pb.TierStats]:
@@ -114,6 +127,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         self._open()
         s = self.daemon.sessions.get(request.session_id)
         lease = s.pool.store.borrow(s.session_id, s.namespace, request.count)
+        self.daemon.check_still_open(s, lease.lease_id)
         return pb.BorrowResponse(lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots)
 
     @_rpc
@@ -127,14 +141,12 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     def Acquire(self, request, context) -> pb.AcquireResponse:
         self._open()
         s = self.daemon.sessions.get(request.session_id)
-        if request.wait == pb.WAIT_DEADLINE and request.deadline_ms == 0:
-            raise InvalidArgument("WAIT_DEADLINE needs deadline_ms > 0")
         tier = _tier_from_pb(request.tier)
-        # Promotion is synchronous in the core today, so every wait policy gets all pages ready.
-        lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier)
+        lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier, _wait_timeout(request))
+        self.daemon.check_still_open(s, lease.lease_id)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
-            ready=len(lease.slots), promoted=lease.promoted,
+            ready=lease.ready, promoted=lease.promoted,
         )
 
     @_rpc
@@ -149,9 +161,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         self._open()
         s = self.daemon.sessions.get(request.session_id)
         tier = _tier_from_pb(request.tier)
-        keys = list(request.keys)
-        check_keys(keys)  # a bad hint fails here, not silently in the worker
-        accepted = self.daemon.prefetcher.submit(s, keys, tier)
+        # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
+        accepted = s.pool.store.prefetch(s.session_id, s.namespace, list(request.keys), tier, request.priority)
         return pb.PrefetchResponse(accepted=accepted)
 
     @_rpc

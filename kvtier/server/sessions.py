@@ -75,6 +75,10 @@ class SessionManager:
         self._on_end(session, released, reason)
         return released
 
+    def is_open(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
     def count(self) -> int:
         with self._lock:
             return len(self._sessions)

@@ -62,7 +62,7 @@ class StoreMachine(RuleBasedStateMachine):
             disk_dir=self.dir,
             policy=policy,
             write_through=write_through,
-            fsync=False,
+            fsync="never",
             arena_prefix=self.prefix,
         )
         self.pool = Pool(LAYOUT, self.config)
@@ -248,8 +248,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st)
     def prefetch(self, namespace, keys):
-        loaded = self.store.prefetch(namespace, keys)
+        loaded = self.store.prefetch(SESSIONS[0], namespace, keys)
         assert 0 <= loaded <= len(keys)
+        assert self.store.wait_loaded(10), "prefetch loads did not finish"
         if loaded:
             event("prefetch: loaded")
 

@@ -35,7 +35,7 @@ def tiers():
     """Opens DiskTiers and closes those still open at teardown."""
     opened: list[DiskTier] = []
 
-    def open_tier(directory, pages, layout=LAYOUT, fsync=False):
+    def open_tier(directory, pages, layout=LAYOUT, fsync="never"):
         tier = DiskTier(directory, layout, pages, fsync=fsync)
         opened.append(tier)
         return tier
@@ -123,7 +123,7 @@ def test_round_trip(disk_dir, tiers, record_property):
 
 
 def test_round_trip_with_fsync(tmp_path, tiers):
-    tier = tiers(str(tmp_path / "synced"), 2, fsync=True)
+    tier = tiers(str(tmp_path / "synced"), 2, fsync="batch")
     record, data = write(tier, 1, 5)
     assert read(tier, record) == (True, data)
 
@@ -192,7 +192,7 @@ def test_layout_mismatch_on_reopen_raises(tmp_path, tiers):
     record, data = write(tier, 0, 8)
     tier.close()
     with pytest.raises(DiskLayoutMismatch, match="holds pages of PageLayout.*remove that one"):
-        DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync=False)
+        DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync="never")
     again = tiers(directory, 2)  # the refused open left the directory usable
     assert read(again, next(again.records())) == (True, data)
 
@@ -202,7 +202,7 @@ def test_a_refused_open_keeps_nothing_open(tmp_path, tiers):
     tiers(directory, 2).close()
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(DiskLayoutMismatch) as refused:  # the traceback (and its frames) stay alive here
-        DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync=False)
+        DiskTier(directory, PageLayout(1, 1, 64, 16), 2, fsync="never")
     assert len(os.listdir("/proc/self/fd")) == fds, "the refused DiskTier left its index or slab open"
     del refused
 

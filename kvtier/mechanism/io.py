@@ -1,0 +1,162 @@
+"""The disk read engine: `depth` worker threads that load disk pages straight into host
+slots (O_DIRECT preadv into the page itself, no bounce buffer), loads for an Acquire ahead
+of prefetches.
+
+Random reads without readahead reach a device's bandwidth only with many requests in
+flight; `depth` is that queue depth. Prefetch jobs wait in a bounded queue: when it is full
+the core simply starts fewer prefetches (back-pressure), so a flood of hints can neither
+grow memory nor delay an Acquire, whose jobs always go first.
+
+A job is queued, then started (by a worker), then done; until started it can be cancelled
+(its session ended) or boosted (an Acquire now waits for it). `on_done(job, ok)` runs on
+the worker thread; the core takes its own lock there.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kvtier.mechanism.disk import DiskRecord, DiskTier
+from kvtier.mechanism.host import HostArena
+
+log = logging.getLogger(__name__)
+
+
+class LoadKind(IntEnum):
+    """Lower runs first."""
+
+    ACQUIRE = 0
+    PREFETCH = 1
+
+
+@dataclass(eq=False)
+class LoadJob:
+    record: DiskRecord
+    host_slot: int
+    kind: LoadKind
+    session: str
+    on_done: Callable[["LoadJob", bool], None]
+    priority: int = 0  # among prefetches: higher first
+    enqueued: float = field(default_factory=time.monotonic)
+    started: bool = False
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class IOStats:
+    queued_acquire: int
+    queued_prefetch: int
+    in_flight: int
+    depth: int
+
+
+#: Called with (kind, seconds from enqueue to done, bytes read, ok) for every finished job.
+Observer = Callable[[LoadKind, float, int, bool], None]
+
+
+class DiskReader:
+    def __init__(self, disk: DiskTier, host: HostArena, *, depth: int = 8, max_queued_prefetch: int = 256,
+                 observer: Observer | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"io depth must be at least 1, got {depth}")
+        self.disk = disk
+        self.host = host
+        self.depth = depth
+        self.max_queued_prefetch = max_queued_prefetch
+        self.observer = observer
+        self._heap: list[tuple[int, int, int, LoadJob]] = []  # (kind, -priority, seq, job); may hold stale entries
+        self._queued = {LoadKind.ACQUIRE: 0, LoadKind.PREFETCH: 0}
+        self._in_flight = 0
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kvtier-disk-read-{i}", daemon=True) for i in range(depth)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def prefetch_room(self) -> int:
+        """How many more prefetch jobs the queue takes now."""
+        with self._cond:
+            return max(0, self.max_queued_prefetch - self._queued[LoadKind.PREFETCH])
+
+    def submit(self, job: LoadJob) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("disk reader is closed")
+            self._push(job)
+            self._cond.notify()
+
+    def _push(self, job: LoadJob) -> None:
+        self._queued[job.kind] += 1
+        heapq.heappush(self._heap, (job.kind, -job.priority, next(self._seq), job))
+
+    def boost(self, job: LoadJob) -> None:
+        """An Acquire now waits for this prefetch: run it with Acquire priority."""
+        with self._cond:
+            if job.started or job.cancelled or job.kind is LoadKind.ACQUIRE:
+                return
+            self._queued[job.kind] -= 1
+            job.kind = LoadKind.ACQUIRE  # the old heap entry is skipped: its kind no longer matches
+            self._push(job)
+            self._cond.notify()
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        """Withdraw the session's (None: every session's) queued jobs that `cancellable`
+        allows; returns them."""
+        with self._cond:
+            gone = []
+            for kind, _, _, job in self._heap:
+                if session in (None, job.session) and kind == job.kind and not job.started and not job.cancelled and cancellable(job):
+                    job.cancelled = True
+                    self._queued[job.kind] -= 1
+                    gone.append(job)
+            return gone
+
+    def stats(self) -> IOStats:
+        with self._cond:
+            return IOStats(self._queued[LoadKind.ACQUIRE], self._queued[LoadKind.PREFETCH], self._in_flight, self.depth)
+
+    def close(self) -> None:
+        """Stop the workers after the jobs in flight; queued jobs are not run (their pages
+        stay loading: the pool is being torn down)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+
+    def _next(self) -> LoadJob | None:
+        with self._cond:
+            while not self._closed:
+                while self._heap:
+                    kind, _, _, job = heapq.heappop(self._heap)
+                    if job.cancelled or job.started or kind != job.kind:
+                        continue  # withdrawn, or superseded by a boosted entry
+                    job.started = True
+                    self._queued[job.kind] -= 1
+                    self._in_flight += 1
+                    return job
+                self._cond.wait()
+            return None
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            try:
+                ok = self.disk.read_page(job.record, self.host.view(job.host_slot))
+            except OSError:
+                # A failing device: the page cannot be trusted, so it goes like a corrupt one.
+                log.exception("reading disk slot %d failed", job.record.slot)
+                ok = False
+            with self._cond:
+                self._in_flight -= 1
+            if self.observer is not None:
+                self.observer(job.kind, time.monotonic() - job.enqueued, self.disk.layout.slot_bytes, ok)
+            job.on_done(job, ok)
