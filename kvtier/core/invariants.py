@@ -6,6 +6,7 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
 3. No two blocks share a slot; every block has at least one copy.
 4. The policy tracks exactly the tier's cached copies.
 5. Pins equal the read leases that hold each copy; write-leased slots equal the write leases'.
+   A copy still loading is a host copy with a disk copy to read from, and is never leased.
 6. Every lease belongs to its session's set and nothing else does.
 7. The disk tier's persistent index (LMDB) names exactly the disk copies, at the same slots.
 """
@@ -58,6 +59,7 @@ def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | Non
         capacity = state.slots.capacity
         cached = {}
         pinned = 0
+        loading = 0
         for ref, block in store.blocks.items():
             copy = block.copies.get(tier)
             if copy is None:
@@ -67,6 +69,10 @@ def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | Non
             cached[copy.slot] = ref
             _require(copy.pins == pins[(tier, ref)], f"{tier.label} copy of {ref} has {copy.pins} pins but {pins[(tier, ref)]} read leases")
             pinned += copy.pins > 0
+            if copy.loading:
+                _require(tier == Tier.HOST and Tier.DISK in block.copies, f"{ref} is loading into {tier.label} without a disk copy to read")
+                _require(copy.pins == 0, f"{tier.label} copy of {ref} is leased while its bytes are still loading")
+                loading += 1
         free = set(state.slots.free_slots())
         _require(len(free) == state.slots.free_count, f"{tier.label} free list has duplicates")
         _require(state.writing == writing[tier], f"{tier.label} writing slots {sorted(state.writing)} differ from the write leases' {sorted(writing[tier])}")
@@ -79,6 +85,8 @@ def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | Non
         )
         _require(state.cached == len(cached), f"{tier.label} counts {state.cached} cached pages, index has {len(cached)}")
         _require(state.pinned == pinned, f"{tier.label} counts {state.pinned} pinned pages, index has {pinned}")
+        if tier == Tier.HOST:
+            _require(store.stats().loading == loading, f"store counts {store.stats().loading} loads, host has {loading} loading copies")
         _require(len(state.policy) == len(cached), f"{tier.label} policy tracks {len(state.policy)} pages, tier caches {len(cached)}")
 
     if disk_records is not None and Tier.DISK in store.tiers:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import wraps
 
-from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound
+from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
@@ -393,6 +393,11 @@ class BlockStore:
             for b in blocks[:ready]:
                 self._unpin(b, tier)
             first = keys[ready]
+            if self.blocks.get(blocks[ready].ref) is blocks[ready]:  # still cached: its load was withdrawn
+                raise Unavailable(
+                    f"the load of key {ready} ({first.hex()}) was withdrawn because the pool is shutting down; "
+                    "retry against the restarted daemon"
+                )
             raise NotFound(
                 f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
                 "recompute and commit it again"
