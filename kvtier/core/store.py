@@ -457,7 +457,7 @@ class BlockStore:
         for b in missing:
             b.copies[Tier.DISK].waiters += 1
         try:
-            self._make_room(tier, len(missing))
+            self._make_room(tier, len(missing), hint=kind is LoadKind.PREFETCH)
         except CapacityError:
             for b in present:
                 b.copies[tier].waiters -= 1
@@ -632,23 +632,32 @@ class BlockStore:
         return lease
 
     # -- eviction and demotion ------------------------------------------------
-    def _pinned(self, tier: Tier) -> Callable[[Ref], bool]:
-        """Copies the policy must not choose: leased, loading, awaited, or held after a prefetch."""
+    def _pinned(self, tier: Tier, *, holds: bool = True) -> Callable[[Ref], bool]:
+        """Copies the policy must not choose: leased, loading, awaited, or (with `holds`)
+        held after a prefetch."""
         now = time.monotonic()
 
         def protected(ref: Ref) -> bool:
             c = self.blocks[ref].copies[tier]
-            return bool(c.pins or c.waiters or c.loading or c.held_until > now)
+            return bool(c.pins or c.waiters or c.loading or (holds and c.held_until > now))
 
         return protected
 
-    def _make_room(self, tier: Tier, n: int) -> None:
-        """Make n slots of `tier` free, or raise CapacityError having changed nothing."""
+    def _make_room(self, tier: Tier, n: int, *, hint: bool = False) -> None:
+        """Make n slots of `tier` free, or raise CapacityError having changed nothing.
+
+        Held prefetched pages go last: only when nothing else can, and never to make room
+        for a hint (`hint`). So prefetches cannot evict each other's held pages, and a
+        host full of them never refuses a borrow or an acquire.
+        """
         state = self.tiers[tier]
         short = n - state.slots.free_count
         if short <= 0:
             return
         victims = state.policy.victims(short, self._pinned(tier))
+        if len(victims) < short and not hint:
+            chosen, unheld = set(victims), self._pinned(tier, holds=False)
+            victims += state.policy.victims(short - len(victims), lambda ref: ref in chosen or unheld(ref))
         if len(victims) < short:
             raise CapacityError(
                 f"{tier.label} tier is full: {n} pages needed, {state.slots.free_count} free, "

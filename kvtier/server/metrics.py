@@ -42,7 +42,7 @@ class _StoreCollector:
         promotions = CounterMetricFamily("kvtier_promotions", "Copies made in a tier from a slower tier.", labels=labels)
         demotions = CounterMetricFamily("kvtier_demotions", "Copies made in a tier from a faster tier.", labels=labels)
         moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes copied between tiers.", labels=["pool", "src", "dst"])
-        corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed its checksum.", labels=labels)
+        corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed their checksum.", labels=labels)
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, stats in pools:
             page_bytes = self._page_bytes(pool_id)

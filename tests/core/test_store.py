@@ -415,6 +415,31 @@ def test_prefetch_loads_disk_pages_unpinned_and_stops_at_a_miss(make_pool):
     assert_served(pool, k[:2], promoted=0)  # already here, with the committed bytes
 
 
+def test_held_prefetched_pages_go_last_and_never_for_a_hint(make_pool):
+    pool = make_pool(host_pages=2, disk_pages=6)  # the default hold (10 s) outlasts the test
+    k = keys(4)
+    put(pool, k[:2])
+    put(pool, k[2:])  # k0, k1 demoted to disk; k2, k3 in host
+    # Two hints fill the host with held pages (k2, k3 make way: they are not held).
+    assert pool.store.prefetch("s", NS, k[:2]) == 2
+    assert pool.store.wait_loaded(10)
+    check(pool)
+    # A third hint finds no room: a hint never evicts a held page, and changes nothing.
+    before = snapshot(pool)
+    assert pool.store.prefetch("s", NS, [k[2]]) == 0
+    assert snapshot(pool) == before
+    # An acquire is never refused for held pages: it takes the least recent one (k0).
+    assert_served(pool, [k[2]], promoted=1)
+    assert Tier.HOST not in tier_of(pool, NS, k[0]) and Tier.HOST in tier_of(pool, NS, k[1])
+    # Held pages go last: a borrow of one page takes k2 (acquired, no longer held), not
+    # the less recently used but held k1; a borrow of two takes k1 too.
+    pool.store.release("w", pool.store.borrow("w", NS, 1).lease_id)
+    assert Tier.HOST in tier_of(pool, NS, k[1]) and Tier.HOST not in tier_of(pool, NS, k[2])
+    pool.store.release("w", pool.store.borrow("w", NS, 2).lease_id)
+    assert Tier.HOST not in tier_of(pool, NS, k[1])
+    check(pool)
+
+
 def test_closing_a_pool_twice_is_harmless(make_pool):
     pool = make_pool(host_pages=4, disk_pages=2)
     disk_dir = make_pool.disk_dir

@@ -9,8 +9,10 @@ import hashlib
 import mmap
 import os
 import signal
+import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from kvtier_client.keys import hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.shm import SHM_DIR, shm_path
+from prometheus_client.parser import text_string_to_metric_families
 
 #: 3072-byte pages in 4096-byte slots: 1 MiB of host tier holds 256 pages.
 LAYOUT = pb.PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16", order="page_first")
@@ -174,7 +177,9 @@ def arenas(prefix: str) -> list[str]:
 class Arena:
     """A host arena mapped the way a same-host engine maps it: by name, from /dev/shm."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, *, slot_bytes: int = SLOT_BYTES, page_bytes: int = PAGE_BYTES) -> None:
+        self.slot_bytes = slot_bytes
+        self.page_bytes = page_bytes
         fd = os.open(shm_path(name), os.O_RDWR)
         try:
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -183,22 +188,48 @@ class Arena:
 
     @classmethod
     def of(cls, reply: pb.RegisterResponse) -> "Arena":
-        return cls(reply.host_arena, reply.host_arena_bytes)
+        return cls(reply.host_arena, reply.host_arena_bytes, slot_bytes=reply.slot_bytes, page_bytes=reply.page_bytes)
 
     def write(self, slot: int, data: bytes) -> None:
-        self.mm[slot * SLOT_BYTES : slot * SLOT_BYTES + len(data)] = data
+        self.mm[slot * self.slot_bytes : slot * self.slot_bytes + len(data)] = data
 
-    def read(self, slot: int, n: int = PAGE_BYTES) -> bytes:
-        return self.mm[slot * SLOT_BYTES : slot * SLOT_BYTES + n]
+    def read(self, slot: int, n: int | None = None) -> bytes:
+        n = self.page_bytes if n is None else n
+        return self.mm[slot * self.slot_bytes : slot * self.slot_bytes + n]
 
     def close(self) -> None:
         self.mm.close()
 
 
-def page(tag: str) -> bytes:
-    """PAGE_BYTES of content that differs per tag."""
+def page(tag: str, size: int = PAGE_BYTES) -> bytes:
+    """`size` bytes (PAGE_BYTES by default) of content that differs per tag."""
     seed = hashlib.sha256(tag.encode()).digest()
-    return (seed * (PAGE_BYTES // len(seed) + 1))[:PAGE_BYTES]
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+# -- the Prometheus endpoint (--metrics-port) ------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> tuple[str, dict]:
+    """The raw text and {family name: family}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def samples(families: dict, sample_name: str, **labels) -> list:
+    return [s for f in families.values() for s in f.samples
+            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def value(families: dict, sample_name: str, **labels) -> float:
+    found = samples(families, sample_name, **labels)
+    assert len(found) == 1, f"{sample_name}{labels}: {found}"
+    return found[0].value
 
 
 def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> Daemon:

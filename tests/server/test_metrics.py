@@ -1,37 +1,9 @@
 """The Prometheus endpoint of a real daemon after real traffic: names, labels and values."""
 from __future__ import annotations
 
-import socket
-import urllib.request
-
 import grpc
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from prometheus_client.parser import text_string_to_metric_families
-from rpc import expect_code, keys
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> tuple[str, dict]:
-    """The raw text and {family name: family}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return text, {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def samples(families: dict, sample_name: str, **labels) -> list:
-    return [s for f in families.values() for s in f.samples
-            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())]
-
-
-def value(families: dict, sample_name: str, **labels) -> float:
-    found = samples(families, sample_name, **labels)
-    assert len(found) == 1, f"{sample_name}{labels}: {found}"
-    return found[0].value
+from rpc import expect_code, free_port, keys, samples, scrape, tier_stats, value, wait_for
 
 
 def test_metrics_after_traffic(daemons, connect):
@@ -96,3 +68,50 @@ def test_moved_bytes_after_demotion(daemons, connect):
     assert value(families, "kvtier_moved_bytes_total", pool=pool, src="host", dst="disk") == 4 * 3072
     assert value(families, "kvtier_demotions_total", pool=pool, tier="disk") == 4
     assert value(families, "kvtier_evictions_total", pool=pool, tier="host") == 4
+
+
+def test_disk_load_metrics(daemons, connect):
+    port = free_port()
+    d = daemons.start("--metrics-port", str(port), host_size="64KiB", disk_size="1MiB")  # 16 host pages
+    conn = connect(d.target)
+    s = conn.session("loads")
+    pool, slot_bytes = s.reply.pool_id, s.reply.slot_bytes
+    k = keys("loads", 8)
+
+    def disk_figures() -> dict:
+        _, families = scrape(port)
+        return {
+            "read": value(families, "kvtier_disk_read_bytes_total", pool=pool),
+            "written": value(families, "kvtier_disk_written_bytes_total", pool=pool),
+            "queued": [value(families, "kvtier_disk_queue_depth", pool=pool, kind=kind) for kind in ("acquire", "prefetch")],
+            "in_flight": value(families, "kvtier_disk_reads_in_flight", pool=pool),
+        }
+
+    # A new pool with a disk tier: every disk figure exported, all zero.
+    assert disk_figures() == {"read": 0, "written": 0, "queued": [0, 0], "in_flight": 0}
+
+    # Commit 8 pages and push them to disk: 8 whole slots written.
+    s.put(k)
+    s.release(s.borrow(16).lease_id)
+    assert disk_figures()["written"] == 8 * slot_bytes
+
+    # Acquire 4 of them (loads of kind acquire), prefetch the other 4 (kind prefetch), wait
+    # for those to arrive, then acquire them (ready on arrival).
+    s.release(s.acquire(k[:4]).lease_id)
+    assert s.prefetch(k[4:]).accepted == 4
+    wait_for(lambda: tier_stats(conn.state(), pool).promotions == 8, 10, "the prefetched pages to arrive")
+    read = s.acquire(k[4:])
+    assert (read.ready, read.promoted) == (4, 0)
+    s.release(read.lease_id)
+
+    _, families = scrape(port)
+    assert disk_figures() == {"read": 8 * slot_bytes, "written": 8 * slot_bytes, "queued": [0, 0], "in_flight": 0}
+    for kind in ("acquire", "prefetch"):
+        assert value(families, "kvtier_disk_load_duration_seconds_count", kind=kind, result="ok") == 4
+        assert value(families, "kvtier_disk_load_duration_seconds_bucket", kind=kind, result="ok", le="+Inf") == 4
+        assert 0 < value(families, "kvtier_disk_load_duration_seconds_sum", kind=kind, result="ok") < 10
+    assert not samples(families, "kvtier_disk_load_duration_seconds_count", result="corrupt")
+    assert value(families, "kvtier_acquire_pages_total", pool=pool, on_arrival="loaded") == 4
+    assert value(families, "kvtier_acquire_pages_total", pool=pool, on_arrival="ready") == 4
+    assert value(families, "kvtier_promotions_total", pool=pool, tier="host") == 8
+    assert value(families, "kvtier_moved_bytes_total", pool=pool, src="disk", dst="host") == 8 * s.reply.page_bytes

@@ -27,9 +27,10 @@ def test_prefetch_brings_disk_pages_back_to_host(daemons, connect):
         start = time.monotonic()
         assert s.prefetch(prefix).accepted == 4
         assert time.monotonic() - start < 1.0, "Prefetch is a hint: it must not wait for the loads"
-        wait_for(lambda: s.lookup(prefix).tiers == [pb.TIER_HOST] * 4, 5, "prefetched pages to reach host")
-
-        host = tier_stats(conn.state(), s.reply.pool_id)
+        # Lookup names host as soon as a load starts; the pages are there once promoted.
+        host = wait_for(lambda: (h := tier_stats(conn.state(), s.reply.pool_id)).promotions == 4 and h, 5,
+                        "prefetched pages to reach host")
+        assert s.lookup(prefix).tiers == [pb.TIER_HOST] * 4
         assert (host.promotions, host.cached_pages, host.pinned_pages) == (4, 4, 0)  # loaded, not held
         read = s.acquire(prefix)
         assert (read.ready, read.promoted) == (4, 0)  # already there: nothing to load
