@@ -29,7 +29,7 @@ class PoolConfig:
     fsync: FsyncPolicy | str = FsyncPolicy.BATCH  # when page data and index reach stable storage
     fsync_interval: float = 1.0  # seconds, for fsync = interval
     io_depth: int = 8  # disk reads (and writes) in flight at once
-    max_queued_prefetch: int = 256  # prefetch loads waiting for the disk; more hints are dropped
+    max_queued_prefetch: int = 1024  # prefetch loads waiting for the disk; more hints are dropped
     prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
     arena_prefix: str = "kvtier"  # host arenas are /dev/shm/<prefix>-<layout id>
 

@@ -16,6 +16,8 @@ from kvtier.bench.tiers import (
     run_tiers,
 )
 from kvtier.bench.rpc import render_rpc, run_rpc_bench
+from kvtier.bench import disk as disk_bench
+from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.units import parse_size
 
 
@@ -79,3 +81,41 @@ def rpc_command(iterations: int, keys_per_call: int, as_json: bool) -> None:
     pages per second through batched Borrow/Commit/Acquire/Release."""
     result = run_rpc_bench(iterations, keys_per_call)
     click.echo(json.dumps(result) if as_json else render_rpc(result))
+
+
+@bench.command("disk")
+@click.option("--pages", type=click.IntRange(min=1), default=None,
+              help=f"Pages per page size and measurement  [default: {format_size(DEFAULT_BYTES)} worth, "
+                   f"{format_size(QUICK_BYTES)} with --quick, at least one {disk_bench.PREFIX_TOKENS:,}-token prefix]")
+@click.option("--page-size", "page_sizes", type=_Size(), multiple=True,
+              help="Page size, e.g. 256KiB or 2MiB; repeatable  [default: 256KiB and 2MiB]")
+@click.option("--io-depth", type=click.IntRange(min=1), default=disk_bench.DEFAULT_IO_DEPTH, show_default=True,
+              help="Disk reads and writes in flight: the pool's io_depth and the baseline's thread count.")
+@click.option("--fsync", type=click.Choice([p.value for p in FsyncPolicy]), default=FsyncPolicy.BATCH.value,
+              show_default=True, help="The disk tier's fsync policy; the baseline flushes the same way.")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the disk tier and the raw baseline file go (a temporary subdirectory, removed "
+                   "afterwards)  [default: /var/tmp, a real disk, not tmpfs]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--quick", is_flag=True, help=f"One repetition instead of {DEFAULT_REPS}, and fewer pages unless --pages is given.")
+def disk_command(pages: int | None, page_sizes: tuple[int, ...], io_depth: int, fsync: str, directory: str | None,
+                 as_json: bool, quick: bool) -> None:
+    """Disk tier bandwidth and prefix load time through a real pool (shared-memory arena, disk
+    tier with O_DIRECT and checksums), each next to raw O_DIRECT pwrite/pread of the same
+    pages at the same parallelism in the same run: write-back demotion, prefetch +
+    wait_loaded, WAIT_ALL acquires, and a 4,096-token prefix prefetched or acquired cold.
+    Prints pages/s, GB/s, ms and the ratio tier / baseline."""
+    progress = (lambda message: None) if as_json else (lambda message: click.echo(f"... {message}", err=True))
+    try:
+        result = disk_bench.run_disk(
+            page_sizes or DEFAULT_PAGE_SIZES,
+            pages=pages,
+            io_depth=io_depth,
+            fsync=fsync,
+            quick=quick,
+            directory=os.path.abspath(directory) if directory else None,
+            progress=progress,
+        )
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result.as_dict()) if as_json else disk_bench.format_table(result))

@@ -370,8 +370,15 @@ class BlockStore:
         self._ready_on_arrival += ready_on_arrival
         # Wait (releasing the lock) until every page is loaded or failed, or the time is up.
         # Our waiter count keeps each copy from eviction meanwhile.
+        # A page, once loaded or dropped, stays so while we wait (our waiter count protects
+        # it), so the scan only moves forward: linear in the pages, not quadratic.
         end = None if timeout is None else time.monotonic() + timeout
-        while any(self.blocks.get(b.ref) is b and tier in b.copies and b.copies[tier].loading for b in blocks):
+        settled = 0
+        while True:
+            while settled < len(blocks) and not self._is_loading(blocks[settled], tier):
+                settled += 1
+            if settled == len(blocks):
+                break
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
@@ -530,6 +537,9 @@ class BlockStore:
         """Block until no load is in flight (False if `timeout` seconds pass first). For
         benchmarks and tests that need a quiet store, not for the request path."""
         return self._loaded.wait_for(lambda: self._loading == 0, timeout)
+
+    def _is_loading(self, block: Block, tier: Tier) -> bool:
+        return self.blocks.get(block.ref) is block and tier in block.copies and block.copies[tier].loading
 
     def _copy_of(self, job: LoadJob) -> Copy:
         return self.blocks[(job.record.namespace, job.record.key)].copies[Tier.HOST]

@@ -61,7 +61,7 @@ Observer = Callable[[LoadKind, float, int, bool], None]
 
 
 class DiskReader:
-    def __init__(self, disk: DiskTier, host: HostArena, *, depth: int = 8, max_queued_prefetch: int = 256,
+    def __init__(self, disk: DiskTier, host: HostArena, *, depth: int = 8, max_queued_prefetch: int = 1024,
                  observer: Observer | None = None) -> None:
         if depth < 1:
             raise ValueError(f"io depth must be at least 1, got {depth}")

@@ -28,7 +28,7 @@ from kvtier.server.config import ConfigError, load_config
 @click.option("--fsync", type=click.Choice(["batch", "interval", "never"]), help="When disk pages become durable: before their index commits (batch, default), every --fsync-interval, or never.")
 @click.option("--fsync-interval", help="Flush period for --fsync interval. Default 1s.")
 @click.option("--io-depth", type=int, help="Disk reads and writes in flight per pool. Default 8.")
-@click.option("--max-queued-prefetch", type=int, help="Prefetch loads queued per pool; more hints are dropped. Default 256.")
+@click.option("--max-queued-prefetch", type=int, help="Prefetch loads queued per pool; more hints are dropped. Default 1024 (four 4,096-token prefixes of 16-token pages).")
 @click.option("--prefetch-hold", help="How long a prefetched page is kept unless acquired. Default 10s.")
 @click.option("--session-timeout", help="Release a silent client's leases after this long. Default 3s.")
 @click.option("--drain-timeout", help="On SIGTERM, wait this long for leases to be released. Default 10s.")

@@ -61,7 +61,7 @@ class DaemonConfig:
     fsync: str = "batch"  # batch | interval | never (docs/tiers.md, "Durability")
     fsync_interval: float = 1.0  # seconds between flushes for fsync = interval
     io_depth: int = 8  # disk reads and writes in flight per pool
-    max_queued_prefetch: int = 256  # prefetch loads queued per pool; further hints are dropped
+    max_queued_prefetch: int = 1024  # prefetch loads queued per pool; further hints are dropped
     prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
     session_timeout: float = 3.0  # seconds without a heartbeat before a session's leases go
     drain_timeout: float = 10.0  # seconds SIGTERM waits for leases to be released
