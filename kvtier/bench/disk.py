@@ -52,6 +52,7 @@ from kvtier.bench.tiers import (
     DEFAULT_PAGE_SIZES,
     DEFAULT_REPS,
     ENGINE_RING_BYTES,
+    OpResult,
     Rate,
     default_pages,
     filesystem_of,
@@ -82,21 +83,6 @@ PREFIX_OPS = ("prefix prefetch", "prefix acquire")
 def baseline_name(op: str, io_depth: int) -> str:
     name = f"O_DIRECT {'pwrite' if op.startswith('write') else 'pread'} x{io_depth}"
     return f"{name}, {BATCH} at a time" if op == ACQUIRE_OP else name
-
-
-@dataclass(frozen=True)
-class OpResult:
-    """One row: `tier` and `baseline` moved the same pages; medians over repetitions."""
-
-    page_bytes: int
-    op: str
-    tier: Rate
-    baseline: Rate
-
-    @property
-    def ratio(self) -> float:
-        """Tier throughput over baseline throughput (for the prefix rows: baseline time over tier time)."""
-        return self.tier.pages_per_s / self.baseline.pages_per_s
 
 
 @dataclass(frozen=True)
