@@ -4,7 +4,7 @@ Every slot of every tier is exactly one of
 
     free     in the tier's SlotAllocator
     writing  held by a write lease (borrowed, not yet committed)
-    cached   holding a copy of a block; may be pinned by read leases
+    cached   holding a copy of a block; may be pinned by read leases, or still loading
 
 and the three counts add up to the tier's capacity (kvtier.core.invariants checks it).
 
@@ -13,8 +13,13 @@ The engine's path to a page, in four hops:
     borrow(n)   -> _make_room(HOST, n) -> policy.victims -> _evict (demote to disk / drop)
                 -> n host slots, leased for writing
     commit(keys)-> each slot becomes a cached copy of its key (or is freed as a duplicate)
-    acquire(keys, HOST) -> pins host copies; disk-only blocks are loaded into host first
+    acquire(keys, HOST) -> _start_loads: a loading host copy per disk-only block (one per
+                page however many callers), read by the mover's I/O workers; waits per
+                the wait policy, then pins the ready prefix
     release     -> unpins (read) or frees what was never committed (write)
+
+Loads finish on I/O worker threads (`_finish_load`), which take the same lock and wake
+waiting acquires through `_loaded`.
 
 Capacity failures are decided before anything changes: `victims` only proposes, so a
 request that cannot be met raises CapacityError with every structure untouched.
