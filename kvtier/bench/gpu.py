@@ -57,7 +57,6 @@ def page_copy_bandwidth(page_sizes=PAGE_SIZES, total_bytes: int = TOTAL_BYTES, r
                 "memcpy_gbps": nbytes / plain_ms / 1e6,
             }
         )
-        del src, dst
     return rows
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 from click.testing import CliRunner
@@ -12,20 +11,6 @@ from kvtier.bench.tiers import COLUMNS, OPS, layout_for
 from kvtier.units import parse_size
 from kvtier.cli import main
 
-SHM = "/dev/shm"
-
-
-def _bench_arenas() -> set[str]:
-    return {name for name in os.listdir(SHM) if name.startswith("kvtier-bench-")}
-
-
-@pytest.fixture
-def bench_dir(tmp_path):
-    """The bench directory; afterwards it must be as empty as it was, and /dev/shm too."""
-    arenas = _bench_arenas()
-    yield tmp_path
-    assert os.listdir(tmp_path) == [], "the benchmark left files in its directory"
-    assert _bench_arenas() == arenas, "the benchmark left a host arena in /dev/shm"
 
 
 def _run(*args: str) -> str:
