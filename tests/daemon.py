@@ -70,24 +70,22 @@ def wait_serving(target: str, timeout: float = 30.0, credentials: grpc.ChannelCr
 def start_daemon(tmp_path: Path, *extra_args: str, host_size: str = "16MiB", disk_size: str = "64MiB",
                  wait: bool = True, env: dict | None = None) -> Daemon:
     """Run `python -m kvtier serve` on a socket under tmp_path with its own cache dir and arena prefix."""
+    sizes = ("--cache-dir", str(tmp_path / "cache"), "--host-size", host_size, "--disk-size", disk_size)
+    return launch(tmp_path, *sizes, *extra_args, wait=wait, env=env)
+
+
+def launch(tmp_path: Path, *args: str, wait: bool = True, env: dict | None = None) -> Daemon:
+    """`kvtier serve` with exactly `args` plus a socket under tmp_path and a unique arena
+    prefix, with no KVTIER_* variables of the caller's but those in `env`."""
     socket = tmp_path / "run" / "kvtier.sock"
-    cache_dir = tmp_path / "cache"
     prefix = f"kvtier-test-{uuid.uuid4().hex[:8]}"
     log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
-    args = [
-        *KVTIER, "serve",
-        "--socket", str(socket),
-        "--cache-dir", str(cache_dir),
-        "--host-size", host_size,
-        "--disk-size", disk_size,
-        "--arena-prefix", prefix,
-        *extra_args,
-    ]
+    full = [*KVTIER, "serve", "--socket", str(socket), "--arena-prefix", prefix, *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     full_env.update(env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    daemon = Daemon(proc, socket, cache_dir, prefix, log_path, args)
+        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    daemon = Daemon(proc, socket, tmp_path / "cache", prefix, log_path, full)
     if wait:
         try:
             wait_serving(daemon.target, proc=proc)

@@ -8,19 +8,17 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon import KVTIER, Daemon, wait_serving  # tests/daemon.py (tests/ is on sys.path via its conftest)
+from daemon import KVTIER, Daemon, launch  # tests/daemon.py (tests/ is on sys.path via its conftest)
 from kvtier_client.keys import hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
@@ -234,23 +232,8 @@ def value(families: dict, sample_name: str, **labels) -> float:
 
 def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> Daemon:
     """`kvtier serve` with exactly `args` plus --socket and --arena-prefix: for tests that must
-    leave out the sizes and cache dir tests/daemon.py always passes (config precedence)."""
-    socket = tmp_path / "run" / "kvtier.sock"
-    prefix = f"kvtier-test-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
-    full = [*KVTIER, "serve", "--socket", str(socket), "--arena-prefix", prefix, *args]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    full_env.update(env or {})
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    daemon = Daemon(proc, socket, tmp_path / "cache", prefix, log_path, full)
-    if wait:
-        try:
-            wait_serving(daemon.target, proc=proc)
-        except AssertionError as exc:
-            daemon.stop(signal.SIGKILL)
-            raise AssertionError(f"{exc}\n--- daemon log ---\n{daemon.log()}") from None
-    return daemon
+    leave out the sizes and cache dir tests/daemon.py's start_daemon always passes (config precedence)."""
+    return launch(tmp_path, *args, env=env, wait=wait)
 
 
 def run_kvtier(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
