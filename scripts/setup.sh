@@ -13,5 +13,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
 fi
 echo "setting up .venv (kvtier, kvtier-client, test tools, torch==2.13.0 CPU)..." >&2
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ./client -e '.[dev]' 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e ./client -e '.[dev,bench]' 'torch==2.13.0'
 echo "$want" >"$stamp"
