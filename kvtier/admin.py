@@ -77,7 +77,7 @@ def render_stats(reply: pb.StatsResponse) -> str:
             f"{lay.block_tokens} tokens/page, {lay.dtype}, page {_human_bytes(pool.page_bytes)}; "
             f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed"
         )
-        header = ("tier", "capacity", "used", "leased", "cached", "hit rate", "evicted", "promoted", "demoted", "moved in", "corrupt")
+        header = ("tier", "capacity", "used", "leased", "cached", "hit rate", "evicted", "promoted", "demoted", "moved in", "corrupt", "read/s")
         rows = [header]
         for t in pool.tiers:
             used = t.capacity_pages - t.free_pages
@@ -85,7 +85,7 @@ def render_stats(reply: pb.StatsResponse) -> str:
             rows.append((
                 _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
                 str(t.cached_pages), f"{hit_rate:.3f}", str(t.evictions), str(t.promotions), str(t.demotions),
-                _human_bytes(t.bytes_in), str(t.corrupt_pages),
+                _human_bytes(t.bytes_in), str(t.corrupt_pages), _human_bytes(int(t.read_bytes_per_second)),
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

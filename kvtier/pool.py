@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 from kvtier_client.layout import PageLayout
 
+from kvtier_client.tiers import Tier
+
 from kvtier.core.store import BlockStore
+from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
 from kvtier.mechanism.disk import DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, Observer
@@ -45,6 +48,8 @@ class Pool:
         self.config = config
         self._closed = False
         self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages)
+        #: Measured read bandwidth per tier, for engines deciding between loading and recomputing.
+        self.bandwidth: dict[Tier, Throughput] = {Tier.HOST: Throughput(probe_memcpy)}
         self.disk: DiskTier | None = None
         self.reader: DiskReader | None = None
         try:
@@ -53,9 +58,11 @@ class Pool:
                     os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages,
                     fsync=config.fsync, fsync_interval=config.fsync_interval, io_depth=config.io_depth,
                 )
+                disk_dir, depth = self.disk.directory, config.io_depth
+                self.bandwidth[Tier.DISK] = Throughput(lambda: probe_disk_reads(disk_dir, layout.slot_bytes, depth))
                 self.reader = DiskReader(
                     self.disk, self.host, depth=config.io_depth, max_queued_prefetch=config.max_queued_prefetch,
-                    observer=observer,
+                    observer=observer, throughput=self.bandwidth[Tier.DISK],
                 )
             self.store = BlockStore(
                 layout,

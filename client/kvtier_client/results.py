@@ -88,12 +88,14 @@ class TierStats:
     demotions: int
     bytes_in: int
     corrupt_pages: int
+    read_bytes_per_second: float  # measured by the daemon; 0.0 if it has no figure yet
 
     @classmethod
     def from_proto(cls, m: pb.TierStats) -> "TierStats":
         return cls(
             tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
             m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
+            m.read_bytes_per_second,
         )
 
 

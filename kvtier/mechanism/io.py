@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvtier.mechanism.bandwidth import Throughput
 from kvtier.mechanism.disk import DiskRecord, DiskTier
 from kvtier.mechanism.host import HostArena
 
@@ -62,7 +63,8 @@ Observer = Callable[[LoadKind, float, int, bool], None]
 
 class DiskReader:
     def __init__(self, disk: DiskTier, host: HostArena, *, depth: int = 8, max_queued_prefetch: int = 1024,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, throughput: Throughput | None = None) -> None:
+        """`throughput` hears of every busy period (first read started to queue drained)."""
         if depth < 1:
             raise ValueError(f"io depth must be at least 1, got {depth}")
         self.disk = disk
@@ -70,6 +72,9 @@ class DiskReader:
         self.depth = depth
         self.max_queued_prefetch = max_queued_prefetch
         self.observer = observer
+        self.throughput = throughput
+        self._busy_since: float | None = None  # when the current busy period began
+        self._busy_bytes = 0
         self._heap: list[tuple[int, int, int, LoadJob]] = []  # (kind, -priority, seq, job); may hold stale entries
         self._queued = {LoadKind.ACQUIRE: 0, LoadKind.PREFETCH: 0}
         self._in_flight = 0
@@ -143,9 +148,16 @@ class DiskReader:
                     job.started = True
                     self._queued[job.kind] -= 1
                     self._in_flight += 1
+                    if self._busy_since is None:
+                        self._busy_since = time.monotonic()
                     return job
                 self._cond.wait()
             return None
+
+    def _end_busy_period(self) -> None:
+        if self.throughput is not None and self._busy_since is not None:
+            self.throughput.observe(self._busy_bytes, time.monotonic() - self._busy_since)
+        self._busy_since, self._busy_bytes = None, 0
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
@@ -157,6 +169,9 @@ class DiskReader:
                 ok = False
             with self._cond:
                 self._in_flight -= 1
+                self._busy_bytes += self.disk.layout.slot_bytes
+                if self._in_flight == 0 and not any(self._queued.values()):
+                    self._end_busy_period()
             if self.observer is not None:
                 self.observer(job.kind, time.monotonic() - job.enqueued, self.disk.layout.slot_bytes, ok)
             job.on_done(job, ok)

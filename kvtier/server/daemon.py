@@ -55,7 +55,9 @@ class Daemon:
         self.pools: dict[str, Pool] = {}
         self._pools_lock = threading.Lock()
         self.sessions = SessionManager(config.session_timeout, self._session_ended)
-        self.metrics = Metrics(self.snapshot, lambda pool_id: self.pools[pool_id].layout.page_bytes, self.disk_snapshot)
+        self.metrics = Metrics(
+            self.snapshot, lambda pool_id: self.pools[pool_id].layout.page_bytes, self.disk_snapshot, self.bandwidth_snapshot
+        )
         self.health = health.HealthServicer()
         for name in ("", SERVICE_NAME):  # HealthServicer starts as SERVING; we are not, until start() ends
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -161,6 +163,15 @@ class Daemon:
             (pool_id, pool.reader.stats(), pool.disk.bytes_read, pool.disk.bytes_written)
             for pool_id, pool in pools
             if pool.reader is not None and pool.disk is not None
+        ]
+
+    def bandwidth_snapshot(self) -> list:
+        with self._pools_lock:
+            pools = list(self.pools.items())
+        return [
+            (pool_id, tier, throughput.bytes_per_second)
+            for pool_id, pool in pools
+            for tier, throughput in pool.bandwidth.items()
         ]
 
     def check_still_open(self, session: Session, lease_id: int) -> None:

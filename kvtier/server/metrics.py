@@ -17,6 +17,8 @@ from kvtier.mechanism.io import IOStats, LoadKind
 Snapshot = Callable[[], tuple[list[tuple[str, StoreStats]], int]]
 # (pool id, reader stats, bytes read, bytes written) for each pool with a disk tier.
 DiskSnapshot = Callable[[], list[tuple[str, IOStats, int, int]]]
+# (pool id, tier, measured read bytes per second) for each pool and tier with a figure.
+BandwidthSnapshot = Callable[[], list[tuple[str, Tier, float]]]
 
 _LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -96,13 +98,30 @@ class _DiskCollector:
         yield from (read, written, queued, in_flight)
 
 
+class _BandwidthCollector:
+    def __init__(self, snapshot: BandwidthSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "kvtier_tier_read_bytes_per_second",
+            "Measured read bandwidth of a tier (probe at pool creation, then real reads): what load planners use.",
+            labels=["pool", "tier"],
+        )
+        for pool_id, tier, value in self._snapshot():
+            gauge.add_metric([pool_id, tier.name.lower()], value)
+        yield gauge
+
+
 class Metrics:
     """The daemon's registry: store collector plus RPC latency by method and status code."""
 
-    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int], disk_snapshot: DiskSnapshot) -> None:
+    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int], disk_snapshot: DiskSnapshot,
+                 bandwidth_snapshot: BandwidthSnapshot) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(snapshot, page_bytes))
         self.registry.register(_DiskCollector(disk_snapshot))
+        self.registry.register(_BandwidthCollector(bandwidth_snapshot))
         self.load_duration = Histogram(
             "kvtier_disk_load_duration_seconds",
             "Time from queueing a disk page load to the page being in host memory, by kind (acquire, prefetch) and result.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 from kvtier_client.errors import InvalidArgument, KVTierError, Unavailable
@@ -15,6 +15,7 @@ from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_to_proto, tier_to_proto
 
 from kvtier.core.store import LeaseKind, StoreStats
+from kvtier.mechanism.bandwidth import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,14 @@ def _wait_timeout(request: pb.AcquireRequest) -> float | None:
     raise InvalidArgument(f"unknown wait policy {request.wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
-def tier_stats_pb(stats: StoreStats) -> list[pb.TierStats]:
+def tier_stats_pb(stats: StoreStats, bandwidth: Mapping[Tier, Throughput]) -> list[pb.TierStats]:
     return [
         pb.TierStats(
             tier=tier_to_proto(t.tier), capacity_pages=t.capacity, free_pages=t.free, writing_pages=t.writing,
             cached_pages=t.cached, pinned_pages=t.pinned, hits=t.counters.hits, evictions=t.counters.evictions,
             promotions=t.counters.promotions, demotions=t.counters.demotions, bytes_in=t.counters.bytes_in,
             corrupt_pages=t.counters.corrupt_pages,
+            read_bytes_per_second=bandwidth[t.tier].bytes_per_second if t.tier in bandwidth else 0.0,
         )
         for t in stats.tiers
     ]
@@ -171,13 +173,14 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         pools, sessions = self.daemon.snapshot()
         reply = pb.StatsResponse(version=self.daemon.version, sessions=sessions, uptime_seconds=self.daemon.uptime())
         for pool_id, stats in pools:
-            layout = self.daemon.pools[pool_id].layout
+            pool = self.daemon.pools[pool_id]
+            layout = pool.layout
             reply.leases += stats.leases
             reply.pools.append(
                 pb.PoolStats(
                     pool_id=pool_id,
                     layout=layout_to_proto(layout),
-                    page_bytes=layout.page_bytes, tiers=tier_stats_pb(stats),
+                    page_bytes=layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
                 )
             )

@@ -28,6 +28,8 @@ def test_metrics_after_traffic(daemons, connect):
     assert value(families, "kvtier_tier_capacity_pages", **host) == 256
     assert value(families, "kvtier_tier_capacity_pages", **disk) == 1024
     assert value(families, "kvtier_tier_capacity_bytes", **host) == 256 * 3072
+    assert value(families, "kvtier_tier_read_bytes_per_second", **host) > 0  # probed on first scrape
+    assert value(families, "kvtier_tier_read_bytes_per_second", **disk) > 0
     pages = {state: value(families, "kvtier_tier_pages", **host, state=state) for state in ("free", "writing", "cached", "pinned")}
     assert pages == {"free": 256 - 3 - 4, "writing": 3, "cached": 4, "pinned": 2}
     assert sum(value(families, "kvtier_tier_pages", **disk, state=st) for st in ("free", "writing", "cached")) == 1024

@@ -233,7 +233,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages")
+    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class TierStats(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_pages: int
     free_pages: int
@@ -258,7 +259,8 @@ class TierStats(_message.Message):
     demotions: int
     bytes_in: int
     corrupt_pages: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ...) -> None: ...
+    read_bytes_per_second: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks")
