@@ -30,13 +30,16 @@ main.add_command(demo)
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, help="Host tier capacity in pages (512-token blocks).")
 @click.option("--disk-pages", type=click.IntRange(min=0), default=0, show_default=True, help="Disk tier capacity in pages; 0 for no disk tier.")
+@click.option("--device-pages", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Device (GPU) tier capacity in pages; 0 for none. Cached blocks are then acquired into it.")
 @click.option("--policy", type=click.Choice(["lru", "prefix"]), default="lru", show_default=True, help="Eviction policy of every tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def replay_command(trace: str, host_pages: int, disk_pages: int, policy: str, as_json: bool) -> None:
+def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: int, policy: str, as_json: bool) -> None:
     """Replay a Mooncake-format TRACE through the block index and policies (no bytes moved)
     and report the block hit rate, overall and per tier."""
     try:
-        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=policy)
+        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=policy,
+                        device_pages=device_pages)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     data = result.as_dict()
@@ -44,7 +47,7 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, policy: str, as
         click.echo(json.dumps(data))
         return
     click.echo(f"trace          {os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks")
-    click.echo(f"tiers          host {host_pages} pages, disk {disk_pages} pages, policy {policy}")
+    click.echo(f"tiers          device {device_pages}, host {host_pages}, disk {disk_pages} pages, policy {policy}")
     click.echo(f"block hit rate {data['block_hit_rate']:.4f}")
     for tier, rate in data["tier_hit_rates"].items():
         click.echo(f"  from {tier:<8} {rate:.4f}")

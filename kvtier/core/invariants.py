@@ -6,7 +6,9 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
 3. No two blocks share a slot; every block has at least one copy.
 4. The policy tracks exactly the tier's cached copies.
 5. Pins equal the read leases that hold each copy; write-leased slots equal the write leases'.
-   A copy still loading is a host copy with a disk copy to read from, and is never leased.
+   A host copy still loading has a disk copy to read from and is never leased; a device
+   copy still loading has a protected host copy (and may be leased: the engine waits on
+   the lease's CUDA event).
 6. Every lease belongs to its session's set and nothing else does.
 7. The disk tier's persistent index (LMDB) names exactly the disk copies, at the same slots.
 """
@@ -69,7 +71,11 @@ def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | Non
             cached[copy.slot] = ref
             _require(copy.pins == pins[(tier, ref)], f"{tier.label} copy of {ref} has {copy.pins} pins but {pins[(tier, ref)]} read leases")
             pinned += copy.pins > 0
-            if copy.loading:
+            if copy.loading and tier == Tier.DEVICE:
+                # Lent at once: the engine waits on the lease's transfer, not the daemon.
+                source = block.copies.get(Tier.HOST)
+                _require(source is not None and source.waiters > 0, f"{ref} is loading into device without a protected host copy")
+            elif copy.loading:
                 _require(tier == Tier.HOST and Tier.DISK in block.copies, f"{ref} is loading into {tier.label} without a disk copy to read")
                 _require(copy.pins == 0, f"{tier.label} copy of {ref} is leased while its bytes are still loading")
                 loading += 1

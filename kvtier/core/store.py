@@ -21,6 +21,14 @@ The engine's path to a page, in four hops:
 Loads finish on I/O worker threads (`_finish_load`), which take the same lock and wake
 waiting acquires through `_loaded`.
 
+On a GPU daemon a device tier sits above host. `acquire(keys, DEVICE)` first brings every
+page without a device copy into host exactly as above, then promotes the ready prefix
+host -> device in one copy-engine submission and returns at once: the lease carries the
+submission's interprocess CUDA event, which the engine waits on (on its own stream or the
+host) before reading. The source host copies stay protected until the copy lands
+(`_finish_promote`). Evicting a device page demotes it to host when host has no copy
+(synchronously), and host evictions go on to disk as before: device -> host -> disk.
+
 Capacity failures are decided before anything changes: `victims` only proposes, so a
 request that cannot be met raises CapacityError with every structure untouched.
 """
@@ -39,6 +47,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.slots import SlotAllocator
+from kvtier.mechanism.device import Transfer
 from kvtier.mechanism.disk import DiskRecord
 from kvtier.mechanism.io import LoadJob, LoadKind
 from kvtier.mechanism.mover import PageMover
@@ -60,7 +69,7 @@ class Copy:
     slot: int
     pins: int = 0  # read leases holding this copy
     record: DiskRecord | None = None  # disk copies: the persisted index entry
-    loading: bool = False  # host copies: bytes still on their way from disk
+    loading: bool = False  # bytes still on their way (host: from disk; device: from host)
     waiters: int = 0  # acquires waiting on it, or loads reading from it (disk copies)
     held_until: float = 0.0  # a loaded page is kept (monotonic time) until acquired or this passes
     job: LoadJob | None = None  # the queued or running load, while loading
@@ -107,6 +116,7 @@ class Lease:
     tier: Tier
     slots: list[int]
     refs: list[Ref] = field(default_factory=list)  # read leases: the pinned blocks
+    transfer: Transfer | None = None  # device read leases: the copy the engine must wait for
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,7 @@ class ReadLease:
     slots: tuple[int, ...]  # the ready prefix: pages pinned and readable
     promoted: int  # how many of the requested pages were not ready on arrival
     ready: int
+    transfer: Transfer | None = None  # device: readable once this copy completes
 
 
 @dataclass(frozen=True)
@@ -179,7 +190,7 @@ def _locked(method):
 
 
 class BlockStore:
-    """Index, leases and sessions for one layout's host (and optional disk) tier."""
+    """Index, leases and sessions for one layout's host tier and optional device and disk tiers."""
 
     def __init__(
         self,
@@ -188,6 +199,7 @@ class BlockStore:
         host_pages: int,
         mover: PageMover,
         disk_pages: int = 0,
+        device_pages: int = 0,
         policy: str = "lru",
         write_through: bool = False,
         prefetch_hold: float = 10.0,
@@ -202,7 +214,10 @@ class BlockStore:
         self.blocks: dict[Ref, Block] = {}
         self.leases: dict[int, Lease] = {}
         self.sessions: dict[str, set[int]] = {}
-        self.tiers: dict[Tier, TierState] = {Tier.HOST: TierState(Tier.HOST, SlotAllocator(host_pages), make_policy(policy))}
+        self.tiers: dict[Tier, TierState] = {}
+        if device_pages > 0:
+            self.tiers[Tier.DEVICE] = TierState(Tier.DEVICE, SlotAllocator(device_pages), make_policy(policy))
+        self.tiers[Tier.HOST] = TierState(Tier.HOST, SlotAllocator(host_pages), make_policy(policy))
         self._host_owner: list[str | None] = [None] * host_pages  # namespace whose data a host slot last held
         self._next_lease = 1
         self._lookup_blocks = 0
@@ -348,14 +363,16 @@ class BlockStore:
         page fails its checksum: it is dropped, nothing is held); 0 returns what is ready
         now; t > 0 waits up to t seconds. Pages still loading when the call returns keep
         loading and are held for `prefetch_hold` seconds, like a prefetch. Every key must
-        be cached (look up first and acquire the hit prefix).
+        be cached (look up first and acquire the hit prefix). Into DEVICE, the wait covers
+        the disk -> host part; the host -> device copy is the lease's `transfer`.
         """
         check_namespace(namespace)
         check_keys(keys)
         if not keys:
             raise InvalidArgument("acquire needs at least one key; look up first and acquire the hit prefix")
-        if tier != Tier.HOST:
-            raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends host pages")
+        if tier not in self.tiers or tier == Tier.DISK:
+            lendable = " and ".join(t.label for t in self.tiers if t != Tier.DISK)
+            raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends {lendable} pages")
         if len(set(keys)) != len(keys):
             raise InvalidArgument("acquire got the same key twice; pass each block once")
         if timeout is not None and timeout < 0:
@@ -369,18 +386,56 @@ class BlockStore:
         state = self.tiers[tier]
         if len(keys) > state.slots.capacity:
             raise InvalidArgument(f"acquire of {len(keys)} pages exceeds the {tier.label} tier's {state.slots.capacity}")
-        self._start_loads(session, blocks, tier, LoadKind.ACQUIRE)  # CapacityError: nothing changed
-        ready_on_arrival = sum(1 for b in blocks if not b.copies[tier].loading)
+        # Device copies already there are kept (as waiters) while the rest reach host.
+        on_device = [b for b in blocks if tier == Tier.DEVICE and Tier.DEVICE in b.copies]
+        for b in on_device:
+            b.copies[Tier.DEVICE].waiters += 1
+        via_host = [b for b in blocks if tier == Tier.HOST or Tier.DEVICE not in b.copies]
+        try:
+            self._start_loads(session, via_host, Tier.HOST, LoadKind.ACQUIRE)
+        except CapacityError:
+            self._stop_waiting(on_device, Tier.DEVICE)
+            raise
+        ready_on_arrival = len(on_device) + sum(1 for b in via_host if not b.copies[Tier.HOST].loading)
         self._acquired_pages += len(blocks)
         self._ready_on_arrival += ready_on_arrival
-        # Wait (releasing the lock) until every page is loaded or failed, or the time is up.
-        # Our waiter count keeps each copy from eviction meanwhile.
-        # A page, once loaded or dropped, stays so while we wait (our waiter count protects
-        # it), so the scan only moves forward: linear in the pages, not quadratic.
+        host_ready = self._wait_loaded(via_host, timeout)
+        # The ready prefix: device copies count as ready, host pages up to the first not loaded.
+        ready_ids = set(map(id, on_device)) | set(map(id, via_host[:host_ready]))
+        ready = 0
+        for b in blocks:
+            if id(b) not in ready_ids:
+                break
+            ready += 1
+        transfer = None
+        try:
+            if timeout is None and ready < len(blocks):
+                self._raise_not_loaded(keys, blocks, ready)
+            if tier == Tier.DEVICE:
+                transfer = self._promote(blocks[:ready])
+        finally:
+            self._stop_waiting([b for b in via_host if self.blocks.get(b.ref) is b], Tier.HOST)
+            self._stop_waiting(on_device, Tier.DEVICE)
+        for b in blocks[:ready]:
+            self._pin(b, tier)
+            b.copies[tier].held_until = 0.0  # pinned now; after release it ages like any page
+            state.policy.touch(b.ref)
+        slots = [b.copies[tier].slot for b in blocks[:ready]]
+        lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])
+        lease.transfer = transfer
+        return ReadLease(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
+
+    def _wait_loaded(self, blocks: list[Block], timeout: float | None) -> int:
+        """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,
+        or the time is up; returns how many leading blocks have a loaded host copy.
+
+        Our waiter count keeps each copy from eviction meanwhile, and a page, once loaded
+        or dropped, stays so: the scan only moves forward, linear in the pages.
+        """
         end = None if timeout is None else time.monotonic() + timeout
         settled = 0
         while True:
-            while settled < len(blocks) and not self._is_loading(blocks[settled], tier):
+            while settled < len(blocks) and not self._is_loading(blocks[settled], Tier.HOST):
                 settled += 1
             if settled == len(blocks):
                 break
@@ -388,38 +443,68 @@ class BlockStore:
             if remaining is not None and remaining <= 0:
                 break
             self._loaded.wait(remaining)
-        # A failed load dropped its block (both copies); `is b` also guards against a new
-        # block committed under the same key meanwhile.
-        alive = [self.blocks.get(b.ref) is b and tier in b.copies for b in blocks]
+        # A failed load dropped its block's copies; `is b` also guards against a new block
+        # committed under the same key meanwhile.
         ready = 0
-        for b, here in zip(blocks, alive):
-            if not here or b.copies[tier].loading:
+        for b in blocks:
+            if self.blocks.get(b.ref) is not b or Tier.HOST not in b.copies or b.copies[Tier.HOST].loading:
                 break
             ready += 1
-        for b in blocks[:ready]:
-            self._pin(b, tier)
-        for b, here in zip(blocks, alive):
-            if here:
+        return ready
+
+    def _stop_waiting(self, blocks: list[Block], tier: Tier) -> None:
+        for b in blocks:
+            if tier in b.copies:
                 b.copies[tier].waiters -= 1
-        if timeout is None and ready < len(blocks):
-            for b in blocks[:ready]:
-                self._unpin(b, tier)
-            first = keys[ready]
-            if self.blocks.get(blocks[ready].ref) is blocks[ready]:  # still cached: its load was withdrawn
-                raise Unavailable(
-                    f"the load of key {ready} ({first.hex()}) was withdrawn because the pool is shutting down; "
-                    "retry against the restarted daemon"
-                )
-            raise NotFound(
-                f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
-                "recompute and commit it again"
+
+    def _raise_not_loaded(self, keys: list[bytes], blocks: list[Block], ready: int) -> None:
+        first = keys[ready]
+        if self.blocks.get(blocks[ready].ref) is blocks[ready]:  # still cached: its load was withdrawn
+            raise Unavailable(
+                f"the load of key {ready} ({first.hex()}) was withdrawn because the pool is shutting down; "
+                "retry against the restarted daemon"
             )
-        for b in blocks[:ready]:
-            b.copies[tier].held_until = 0.0  # pinned now; after release it ages like any page
-            state.policy.touch(b.ref)
-        slots = [b.copies[tier].slot for b in blocks[:ready]]
-        lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])
-        return ReadLease(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready)
+        raise NotFound(
+            f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
+            "recompute and commit it again"
+        )
+
+    def _promote(self, blocks: list[Block]) -> Transfer | None:
+        """Copy the blocks without a device copy from host (loaded, protected by our
+        waiters) to the device in one submission. Returns the transfer after which every
+        one of `blocks` is readable on the device, None if all already are.
+
+        Raises CapacityError, having changed nothing, when the device cannot make room.
+        """
+        device = self.tiers[Tier.DEVICE]
+        missing = [b for b in blocks if Tier.DEVICE not in b.copies]
+        in_flight = any(b.copies[Tier.DEVICE].loading for b in blocks if Tier.DEVICE in b.copies)
+        if not missing:
+            return self.mover.marker() if in_flight else None
+        self._make_room(Tier.DEVICE, len(missing))
+        pairs = []
+        for b in missing:
+            slot = device.slots.alloc()
+            b.copies[Tier.HOST].waiters += 1  # the source stays until the copy lands
+            self._add_copy(b, Tier.DEVICE, Copy(slot, loading=True))
+            pairs.append((b.copies[Tier.HOST].slot, slot))
+        # The promotion stream runs in order: this transfer also covers earlier ones in flight.
+        return self.mover.promote(pairs, lambda transfer, ok: self._finish_promote(missing, ok))
+
+    def _finish_promote(self, blocks: list[Block], ok: bool) -> None:
+        """A promotion landed (on the copy engine's thread, or at once in replay)."""
+        with self._lock:
+            device = self.tiers[Tier.DEVICE]
+            for b in blocks:
+                b.copies[Tier.HOST].waiters -= 1
+                b.copies[Tier.DEVICE].loading = False
+                if ok:
+                    device.counters.promotions += 1
+                    device.counters.bytes_in += self.layout.page_bytes
+            if not ok:
+                # A failed CUDA copy leaves the context unusable; drop what nobody holds.
+                self._drop_copies([b for b in blocks if not b.copies[Tier.DEVICE].pins], Tier.DEVICE)
+            self._loaded.notify_all()
 
     @_locked
     def prefetch(self, session: str, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0) -> int:
@@ -433,7 +518,10 @@ class BlockStore:
         check_namespace(namespace)
         check_keys(keys)
         if tier != Tier.HOST:
-            raise InvalidArgument(f"prefetch into {tier.label} is not available: this daemon loads pages into host")
+            raise InvalidArgument(
+                f"prefetch into {tier.label} is not available: prefetch loads pages into host; "
+                "acquire into device promotes them from there"
+            )
         room = self.mover.prefetch_room()
         accepted = 0
         for key in keys:
@@ -460,6 +548,7 @@ class BlockStore:
 
         Raises CapacityError, having changed nothing, when room for the loads cannot be made.
         """
+        self._copy_down([b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies])
         missing = [b for b in blocks if tier not in b.copies]
         present = [b for b in blocks if tier in b.copies]
         # Protect everything involved while room is made: the copies here (as waiters,
@@ -493,6 +582,33 @@ class BlockStore:
             self._add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
             self._loading += 1
             self.mover.load(job)
+
+    def _copy_down(self, blocks: list[Block]) -> None:
+        """Give device-only blocks a host copy (a synchronous device -> host copy), so host
+        acquires and prefetches find them there. Raises CapacityError, having changed
+        nothing, when host cannot make room."""
+        if not blocks:
+            return
+        for b in blocks:
+            b.copies[Tier.DEVICE].waiters += 1
+        try:
+            self._make_room(Tier.HOST, len(blocks))
+        finally:
+            self._stop_waiting(blocks, Tier.DEVICE)
+        self._demote_to_host(blocks)
+
+    def _demote_to_host(self, blocks: list[Block]) -> None:
+        """Copy device pages to free host slots (the caller made room) and file the copies."""
+        host = self.tiers[Tier.HOST]
+        pairs = []
+        for b in blocks:
+            slot = host.slots.alloc()
+            self._host_owner[slot] = b.ref[0]
+            pairs.append((b.copies[Tier.DEVICE].slot, slot))
+            self._add_copy(b, Tier.HOST, Copy(slot))
+        self.mover.demote(pairs)
+        host.counters.demotions += len(blocks)
+        host.counters.bytes_in += len(blocks) * self.layout.page_bytes
 
     def _finish_load(self, job: LoadJob, ok: bool) -> None:
         """A load ended (on an I/O worker, or at once in replay): publish or drop the page."""
@@ -681,10 +797,19 @@ class BlockStore:
         self._evict(tier, [self.blocks[ref] for ref in victims])
 
     def _evict(self, tier: Tier, victims: list[Block]) -> None:
-        """Remove victims' copies from `tier`. Host copies with no disk copy are demoted
-        first where the disk tier can take them; what it cannot take is dropped."""
+        """Remove victims' copies from `tier`. Device copies with no host copy and host
+        copies with no disk copy are demoted first where the next tier can take them; what
+        it cannot take is dropped."""
         if tier == Tier.HOST and Tier.DISK in self.tiers:
             self._copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
+        if tier == Tier.DEVICE:
+            only_here = [b for b in victims if Tier.HOST not in b.copies]
+            try:
+                self._make_room(Tier.HOST, len(only_here))
+            except CapacityError:
+                only_here = []  # host is full of leased pages: these device pages are dropped
+            if only_here:
+                self._demote_to_host(only_here)
         self._drop_copies(victims, tier)
         self.tiers[tier].counters.evictions += len(victims)
 

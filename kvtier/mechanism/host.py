@@ -97,6 +97,11 @@ class HostArena:
         """Fault every OS page in now, so the first borrow does not pay for it."""
         self._bytes[:: mmap.PAGESIZE] = 0
 
+    @property
+    def address(self) -> int:
+        """Where the arena is mapped in this process (for cudaHostRegister and DMA)."""
+        return self._bytes.ctypes.data
+
     def view(self, slot: int) -> memoryview:
         """The whole slot (slot_bytes, page plus alignment padding), writable."""
         start = slot * self.layout.slot_bytes

@@ -1,15 +1,17 @@
-"""Page movement between the host arena and the disk tier, by slot number. No decisions.
+"""Page movement between the device arena, the host arena and the disk tier, by slot
+number. No decisions.
 
 The core calls a `PageMover`; this is the one that moves real bytes. Trace replay uses one
 that only keeps the books (kvtier.replay), which is why the core depends on the protocol.
-Loads are asynchronous (a job's `on_done` reports the result); stores are synchronous
-batches, parallel inside the disk tier.
+Disk loads and promotions to the device are asynchronous (`on_done` reports the result);
+disk stores and demotions from the device are synchronous batches.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from kvtier.mechanism.device import CopyEngine, Transfer
 from kvtier.mechanism.disk import DiskRecord, DiskTier
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, LoadJob
@@ -39,14 +41,26 @@ class PageMover(Protocol):
     def forget(self, records: Iterable[DiskRecord]) -> None:
         """Remove disk pages from the persistent index."""
 
+    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+        """Start copying (host slot, device slot) pairs; `on_done(transfer, ok)` when they land."""
+
+    def marker(self) -> Transfer:
+        """A transfer that completes after every promotion started so far."""
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy (device slot, host slot) pairs and return when the bytes are in host memory."""
+
 
 class ArenaMover:
-    """Moves bytes between a HostArena and (optionally) a DiskTier with its DiskReader."""
+    """Moves bytes between a HostArena and (optionally) a DiskTier with its DiskReader and a
+    device arena with its CopyEngine."""
 
-    def __init__(self, host: HostArena, disk: DiskTier | None, reader: DiskReader | None) -> None:
+    def __init__(self, host: HostArena, disk: DiskTier | None, reader: DiskReader | None,
+                 copies: CopyEngine | None = None) -> None:
         self.host = host
         self.disk = disk
         self.reader = reader
+        self.copies = copies
 
     def clear_host(self, slot: int) -> None:
         self.host.clear(slot)
@@ -78,3 +92,17 @@ class ArenaMover:
 
     def forget(self, records: Iterable[DiskRecord]) -> None:
         self._disk().forget(records)
+
+    def _copies(self) -> CopyEngine:
+        if self.copies is None:
+            raise RuntimeError("no device tier configured: the core must not move pages to a device")
+        return self.copies
+
+    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+        return self._copies().promote(pairs, on_done)
+
+    def marker(self) -> Transfer:
+        return self._copies().marker()
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._copies().demote(pairs)

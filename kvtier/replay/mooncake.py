@@ -15,6 +15,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.store import BlockStore
+from kvtier.mechanism.device import Transfer
 from kvtier.mechanism.disk import DiskRecord
 from kvtier.mechanism.io import LoadJob
 
@@ -49,6 +50,20 @@ class BookkeepingMover:
     def forget(self, records: Iterable[DiskRecord]) -> None:
         pass
 
+    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+        transfer = Transfer(None, b"", on_done)
+        on_done(transfer, True)
+        transfer.done.set()
+        return transfer
+
+    def marker(self) -> Transfer:
+        transfer = Transfer(None, b"")
+        transfer.done.set()
+        return transfer
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class ReplayResult:
@@ -60,6 +75,8 @@ class ReplayResult:
     host_pages: int
     disk_pages: int
     policy: str
+    device_pages: int = 0
+    device_hit_blocks: int = 0
 
     @property
     def block_hit_rate(self) -> float:
@@ -70,10 +87,12 @@ class ReplayResult:
             "requests": self.requests,
             "blocks": self.blocks,
             "policy": self.policy,
+            "device_pages": self.device_pages,
             "host_pages": self.host_pages,
             "disk_pages": self.disk_pages,
             "block_hit_rate": self.block_hit_rate,
             "tier_hit_rates": {
+                **({"device": self.device_hit_blocks / self.blocks if self.blocks else 0.0} if self.device_pages else {}),
                 "host": self.host_hit_blocks / self.blocks if self.blocks else 0.0,
                 "disk": self.disk_hit_blocks / self.blocks if self.blocks else 0.0,
             },
@@ -109,9 +128,13 @@ def _key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little")
 
 
-def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: str = "lru") -> ReplayResult:
-    store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, mover=BookkeepingMover(), policy=policy,
-                       prefetch_hold=0.0)
+def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: str = "lru",
+           device_pages: int = 0) -> ReplayResult:
+    """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
+    engine would), so they climb disk -> host -> device and fall back the same way."""
+    store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
+                       mover=BookkeepingMover(), policy=policy, prefetch_hold=0.0)
+    read_into = Tier.DEVICE if device_pages else Tier.HOST
     n_requests = 0
     for ids in requests:
         n_requests += 1
@@ -120,7 +143,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
         parent: bytes | None = None
         for key in keys:
             if (_NAMESPACE, key) in store.blocks:
-                lease = store.acquire(_SESSION, _NAMESPACE, [key])
+                lease = store.acquire(_SESSION, _NAMESPACE, [key], read_into)
                 store.release(_SESSION, lease.lease_id)
             else:
                 lease = store.borrow(_SESSION, _NAMESPACE, 1)
@@ -129,6 +152,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
     stats = store.stats()
     host = stats.tier(Tier.HOST)
     disk = stats.tier(Tier.DISK)
+    device = stats.tier(Tier.DEVICE)
     return ReplayResult(
         requests=n_requests,
         blocks=stats.lookup_blocks,
@@ -138,4 +162,6 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
         host_pages=host_pages,
         disk_pages=disk_pages,
         policy=policy,
+        device_pages=device_pages,
+        device_hit_blocks=device.counters.hits if device else 0,
     )

@@ -1,0 +1,188 @@
+"""Device tier: an HBM arena per (GPU, layout), the pinned host arena, and the copy engine
+that moves pages between them. Byte movement only; the core decides what moves.
+
+    DeviceArena   one plain cudaMalloc allocation (never managed memory), slot i at
+                  i * slot_bytes; its CUDA IPC memory handle goes to clients at Register,
+                  which open it once and address pages by slot, zero copy.
+    pin_host      cudaHostRegister of the shared-memory host arena, so host <-> device
+                  copies are DMA from and to the very pages engines map; undone at close.
+    CopyEngine    two streams: promotion (host -> device) at the device's highest stream
+                  priority, demotion (device -> host) at its lowest, so loads go ahead of
+                  stores. A submission is many pages (adjacent slots coalesced into one
+                  cudaMemcpyAsync) and ends with one interprocess CUDA event: its handle
+                  goes to the engine, which can make its own stream wait on it without a
+                  host sync (or wait on the host). A completion thread hears each event
+                  and calls the core back, which is when a source host page may be reused.
+
+CuPy is imported only here and only when a device tier is configured: a daemon without a GPU
+never imports it (kernels.is_available() says whether one can be built).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_client.layout import PageLayout
+
+from kvtier.mechanism.host import HostArena
+
+log = logging.getLogger(__name__)
+
+_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+class DeviceArena:
+    """`pages` slots of one layout in HBM of GPU `device_id`, exported over CUDA IPC."""
+
+    def __init__(self, layout: PageLayout, pages: int, device_id: int = 0) -> None:
+        if pages <= 0:
+            raise ValueError(f"device arena needs at least one page, got {pages}")
+        cupy = _cupy()
+        self.layout = layout
+        self.pages = pages
+        self.device_id = device_id
+        self.size = pages * layout.slot_bytes
+        with cupy.cuda.Device(device_id):
+            self.ptr = cupy.cuda.runtime.malloc(self.size)
+            try:
+                cupy.cuda.runtime.memset(self.ptr, 0, self.size)
+                self.ipc_handle: bytes = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr))
+            except BaseException:
+                cupy.cuda.runtime.free(self.ptr)
+                raise
+
+    def slot_ptr(self, slot: int) -> int:
+        return self.ptr + slot * self.layout.slot_bytes
+
+    def pages_array(self) -> Any:
+        """The whole arena as a CuPy uint8 array [pages, slot_bytes] (for kernels and tests)."""
+        cupy = _cupy()
+        memory = cupy.cuda.UnownedMemory(self.ptr, self.size, self, self.device_id)
+        return cupy.ndarray((self.pages, self.layout.slot_bytes), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+    def close(self) -> None:
+        if self.ptr:
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device_id):
+                cupy.cuda.runtime.free(self.ptr)
+            self.ptr = 0
+
+
+def pin_host(arena: HostArena, device_id: int = 0) -> Callable[[], None]:
+    """Page-lock the host arena for DMA; returns the function that unpins it."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device_id):
+        cupy.cuda.runtime.hostRegister(arena.address, arena.size, _HOST_REGISTER_PORTABLE)
+
+    def unpin() -> None:
+        with cupy.cuda.Device(device_id):
+            cupy.cuda.runtime.hostUnregister(arena.address)
+
+    return unpin
+
+
+def coalesce(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src slot, dst slot) pairs as (src, dst, count) runs of consecutive slots on both
+    sides, in the given order: one cudaMemcpyAsync per run instead of one per page."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n:
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One submission: its interprocess event (handle for engines) and who hears the end."""
+
+    event: Any  # cupy.cuda.Event(interprocess=True); None where no bytes move (replay)
+    ipc_handle: bytes
+    on_done: Callable[["Transfer", bool], None] | None = None  # (transfer, ok) on the completion thread
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Host-side wait for the copy (and its callback) to finish."""
+        return self.done.wait(timeout)
+
+
+class CopyEngine:
+    """Host <-> device page copies on two prioritised streams; see the module docstring."""
+
+    def __init__(self, host: HostArena, device: DeviceArena) -> None:
+        cupy = _cupy()
+        self.host = host
+        self.device = device
+        self.slot_bytes = host.layout.slot_bytes
+        with cupy.cuda.Device(device.device_id):
+            least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+            self.promote_stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
+            self.demote_stream = cupy.cuda.Stream(non_blocking=True, priority=least)
+        self._pending: queue.Queue[Transfer | None] = queue.Queue()
+        self._completer = threading.Thread(target=self._complete, name="kvtier-copy-done", daemon=True)
+        self._completer.start()
+
+    def _submit(self, stream: Any, pairs: Sequence[tuple[int, int]], kind: int,
+                on_done: Callable[[Transfer, bool], None] | None) -> Transfer:
+        cupy = _cupy()
+        src_base, dst_base = (self.host.address, self.device.ptr) if kind == _HOST_TO_DEVICE else (self.device.ptr, self.host.address)
+        with cupy.cuda.Device(self.device.device_id):
+            for src, dst, count in coalesce(pairs):
+                cupy.cuda.runtime.memcpyAsync(
+                    dst_base + dst * self.slot_bytes, src_base + src * self.slot_bytes,
+                    count * self.slot_bytes, kind, stream.ptr,
+                )
+            event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            event.record(stream)
+            handle = bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
+        transfer = Transfer(event, handle, on_done)
+        self._pending.put(transfer)
+        return transfer
+
+    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+        """Copy (host slot, device slot) pairs on the promotion stream; returns at once."""
+        return self._submit(self.promote_stream, pairs, _HOST_TO_DEVICE, on_done)
+
+    def marker(self) -> Transfer:
+        """An event after every promotion submitted so far (the stream runs in order)."""
+        return self._submit(self.promote_stream, (), _HOST_TO_DEVICE, None)
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy (device slot, host slot) pairs on the demotion stream and wait: the device
+        slots are reused as soon as this returns."""
+        self._submit(self.demote_stream, pairs, _DEVICE_TO_HOST, None).wait()
+
+    def _complete(self) -> None:
+        while (transfer := self._pending.get()) is not None:
+            try:
+                transfer.event.synchronize()
+                ok = True
+            except Exception:
+                # A sticky CUDA error: these pages cannot be trusted, the core drops them.
+                log.exception("a device copy failed")
+                ok = False
+            try:
+                if transfer.on_done is not None:
+                    transfer.on_done(transfer, ok)
+            finally:
+                transfer.done.set()
+
+    def close(self) -> None:
+        """Finish every submitted copy, then stop the completion thread."""
+        self._pending.put(None)
+        self._completer.join()

@@ -1,0 +1,115 @@
+"""The device tier's bookkeeping in the block store, on CPU: the store driven through the
+replay's bookkeeping mover (kvtier.replay, the real component trace replay uses), which
+completes every promotion at once and moves no bytes. The bytes themselves move through
+the CUDA copy engine, tested on a GPU (tests/mechanism/test_device_gpu.py).
+
+Layout of the scenarios: 2 device pages over 3 host pages over 4 disk pages."""
+from __future__ import annotations
+
+import pytest
+from kvtier_client.errors import CapacityError, InvalidArgument
+from kvtier_client.tiers import Tier
+
+from kvtier.core.invariants import check_invariants
+from kvtier.core.store import BlockStore
+from kvtier.replay.mooncake import _LAYOUT, BookkeepingMover
+
+NS, S = "ns", "session"
+
+
+def store(device: int = 2, host: int = 3, disk: int = 4) -> BlockStore:
+    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, mover=BookkeepingMover(),
+                      prefetch_hold=0.0)
+
+
+def put(s: BlockStore, *keys: bytes) -> None:
+    lease = s.borrow(S, NS, len(keys))
+    s.commit(S, lease.lease_id, list(keys))
+
+
+def tiers(s: BlockStore, key: bytes) -> set[Tier]:
+    block = s.blocks.get((NS, key))
+    return set(block.copies) if block else set()
+
+
+def test_acquire_into_device_promotes_from_host_and_keeps_the_host_copy():
+    s = store()
+    put(s, b"a", b"b")
+    lease = s.acquire(S, NS, [b"a", b"b"], Tier.DEVICE)
+    assert lease.tier is Tier.DEVICE and lease.ready == 2 and lease.transfer is not None
+    assert tiers(s, b"a") == {Tier.DEVICE, Tier.HOST}
+    assert s.stats().tier(Tier.DEVICE).counters.promotions == 2
+    assert s.stats().tier(Tier.DEVICE).pinned == 2
+    check_invariants(s)
+    s.release(S, lease.lease_id)
+    # Already there: a second acquire moves nothing and needs no wait.
+    again = s.acquire(S, NS, [b"a"], Tier.DEVICE)
+    assert again.transfer is None and again.promoted == 0
+    assert s.lookup(NS, [b"a"]).tiers == (Tier.DEVICE,)
+    check_invariants(s)
+
+
+def test_acquire_into_device_climbs_from_disk_through_host():
+    s = store()
+    put(s, b"a", b"b", b"c")
+    put(s, b"d", b"e", b"f")  # host holds 3: a, b, c go to disk
+    assert tiers(s, b"a") == {Tier.DISK}
+    lease = s.acquire(S, NS, [b"a"], Tier.DEVICE)
+    assert lease.ready == 1
+    assert tiers(s, b"a") == {Tier.DEVICE, Tier.HOST, Tier.DISK}
+    check_invariants(s)
+
+
+def test_device_eviction_demotes_device_only_pages_to_host_then_disk():
+    s = store(device=1, host=2, disk=4)
+    put(s, b"a")
+    s.release(S, s.acquire(S, NS, [b"a"], Tier.DEVICE).lease_id)
+    put(s, b"b", b"c")  # host evicts a (to disk): a is on device and disk only
+    assert tiers(s, b"a") == {Tier.DEVICE, Tier.DISK}
+    # b needs the one device page: a is demoted to host on the way out (host -> disk cascade).
+    s.release(S, s.acquire(S, NS, [b"b"], Tier.DEVICE).lease_id)
+    assert Tier.DEVICE not in tiers(s, b"a") and Tier.HOST in tiers(s, b"a")
+    assert s.stats().tier(Tier.HOST).counters.demotions == 1
+    check_invariants(s)
+
+
+def test_host_acquire_of_a_device_only_page_copies_it_down():
+    s = store(device=2, host=2, disk=0)
+    put(s, b"a")
+    s.release(S, s.acquire(S, NS, [b"a"], Tier.DEVICE).lease_id)
+    put(s, b"b", b"c")  # no disk: host drops a, the device keeps it
+    assert tiers(s, b"a") == {Tier.DEVICE}
+    lease = s.acquire(S, NS, [b"a"], Tier.HOST)
+    assert lease.ready == 1 and tiers(s, b"a") == {Tier.DEVICE, Tier.HOST}
+    check_invariants(s)
+
+
+def test_pinned_device_pages_are_never_evicted():
+    s = store(device=2, host=3, disk=0)
+    put(s, b"a", b"b", b"c")
+    held = s.acquire(S, NS, [b"a", b"b"], Tier.DEVICE)
+    with pytest.raises(CapacityError, match="device tier is full"):
+        s.acquire(S, NS, [b"c"], Tier.DEVICE)
+    assert tiers(s, b"c") == {Tier.HOST}
+    check_invariants(s)
+    s.release(S, held.lease_id)
+    s.acquire(S, NS, [b"c"], Tier.DEVICE)
+    check_invariants(s)
+
+
+def test_device_leases_end_with_their_session():
+    s = store()
+    put(s, b"a")
+    s.acquire(S, NS, [b"a"], Tier.DEVICE)
+    assert s.end_session(S) == 1
+    assert s.stats().tier(Tier.DEVICE).pinned == 0
+    check_invariants(s)
+
+
+def test_device_requests_on_a_daemon_without_a_device_say_so():
+    s = store(device=0)
+    put(s, b"a")
+    with pytest.raises(InvalidArgument, match="lends host pages"):
+        s.acquire(S, NS, [b"a"], Tier.DEVICE)
+    with pytest.raises(InvalidArgument, match="prefetch into device"):
+        store().prefetch(S, NS, [b"a"], Tier.DEVICE)
