@@ -14,6 +14,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.store import BlockStore
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
+from kvtier.mechanism.device import CopyEngine, DeviceArena, pin_host
 from kvtier.mechanism.disk import DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, Observer
@@ -35,6 +36,8 @@ class PoolConfig:
     max_queued_prefetch: int = 1024  # prefetch loads waiting for the disk; more hints are dropped
     prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
     arena_prefix: str = "kvtier"  # host arenas are /dev/shm/<prefix>-<layout id>
+    device_bytes: int = 0  # HBM for the device tier; 0 = none (needs CUDA and CuPy otherwise)
+    gpu: int = 0  # CUDA device index
 
 
 class Pool:
@@ -42,6 +45,7 @@ class Pool:
         """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
+        device_pages = layout.pages_in(config.device_bytes, "device") if config.device_bytes else 0
         if disk_pages and not config.disk_dir:
             raise ValueError("a disk tier needs a directory: set disk_dir")
         self.layout = layout
@@ -52,7 +56,15 @@ class Pool:
         self.bandwidth: dict[Tier, Throughput] = {Tier.HOST: Throughput(probe_memcpy)}
         self.disk: DiskTier | None = None
         self.reader: DiskReader | None = None
+        self.device: DeviceArena | None = None
+        self.copies: CopyEngine | None = None
+        self._unpin_host = None
         try:
+            if device_pages:
+                self.device = DeviceArena(layout, device_pages, config.gpu)
+                self._unpin_host = pin_host(self.host, config.gpu)
+                self.copies = CopyEngine(self.host, self.device)
+                self.bandwidth[Tier.DEVICE] = self.copies.throughput
             if disk_pages:
                 self.disk = DiskTier(
                     os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages,
@@ -68,7 +80,8 @@ class Pool:
                 layout,
                 host_pages=host_pages,
                 disk_pages=disk_pages,
-                mover=ArenaMover(self.host, self.disk, self.reader),
+                device_pages=device_pages,
+                mover=ArenaMover(self.host, self.disk, self.reader, self.copies),
                 policy=config.policy,
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
@@ -97,6 +110,12 @@ class Pool:
             self._close_tiers()
 
     def _close_tiers(self) -> None:
+        if self.copies is not None:
+            self.copies.close()  # copies in flight land first
+        if self._unpin_host is not None:
+            self._unpin_host()
+        if self.device is not None:
+            self.device.close()
         if self.reader is not None:
             self.reader.close()
         if self.disk is not None:

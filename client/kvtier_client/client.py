@@ -32,6 +32,7 @@ import numpy as np
 
 from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
+from kvtier_client.device import DeviceArenaView
 from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, Unavailable
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
@@ -71,10 +72,25 @@ class _Session:
 
     info: PoolInfo
     arena: HostArenaView | None
+    device: DeviceArenaView | None = None  # opened on the first device lease
 
     @property
     def session_id(self) -> str:
         return self.info.session_id
+
+    def device_arena(self) -> DeviceArenaView:
+        if self.device is None:
+            info = self.info
+            self.device = DeviceArenaView(
+                info.device_ipc_handle, info.device_arena_bytes, info.device_pci_bus_id, info.layout, info.slot_bytes
+            )
+        return self.device
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        if self.device is not None:
+            self.device.close()
 
 
 class KVTierClient:
@@ -218,8 +234,7 @@ class KVTierClient:
             "kvtier daemon at %s no longer knows session %s (restarted?); registered again as %s, arena %s",
             self.target, stale.session_id, fresh.session_id, fresh.info.host_arena,
         )
-        if stale.arena is not None:
-            stale.arena.close()
+        stale.close()
         if self.on_reconnect is not None:
             try:
                 self.on_reconnect(stale.info, fresh.info)
@@ -346,14 +361,19 @@ class KVTierClient:
         lease.ended = True
         return result
 
-    def acquire(self, keys: Sequence[bytes], *, wait: Wait | None = None, deadline: float | None = None) -> ReadLease:
-        """A read lease pinning every key's page in the host tier, loading slower copies first.
+    def acquire(self, keys: Sequence[bytes], *, wait: Wait | None = None, deadline: float | None = None,
+                tier: Tier = Tier.HOST) -> ReadLease:
+        """A read lease pinning every key's page in `tier`, loading slower copies first.
 
         Every key must be cached (acquire `lookup(keys).hit_keys(keys)`), else NotFound.
         `wait` defaults to Wait.DEADLINE when a `deadline` (seconds) is given, else Wait.ALL;
         with NONE or DEADLINE only the first `lease.ready` pages are readable.
-        Use it in a `with` block, or call `release` yourself.
+        `tier=Tier.DEVICE` (GPU daemons) lends pages in the daemon's HBM: the wait covers
+        loads from disk, and the lease's tensors are readable once its copy event completes
+        (docs/gpu.md). Use it in a `with` block, or call `release` yourself.
         """
+        if tier not in (Tier.HOST, Tier.DEVICE):
+            raise ValueError(f"pages are lent from host or device, not {tier.label}")
         if wait is None:
             wait = Wait.DEADLINE if deadline is not None else Wait.ALL
         if (wait is Wait.DEADLINE) != (deadline is not None):
@@ -367,14 +387,14 @@ class KVTierClient:
             reply = self._conn.unary(
                 "Acquire",
                 pb.AcquireRequest(
-                    session_id=session.session_id, keys=key_list, tier=pb.TIER_HOST,
+                    session_id=session.session_id, keys=key_list, tier=tier_to_proto(tier),
                     wait=wait.value, deadline_ms=deadline_ms,
                 ),
                 timeout=self._conn.timeout + deadline_ms / 1000,
             )
             return ReadLease(
                 self, session, reply.lease_id, tier_from_proto(reply.tier), reply.slots,
-                keys=key_list, ready=reply.ready, promoted=reply.promoted,
+                keys=key_list, ready=reply.ready, promoted=reply.promoted, ready_event=reply.ready_event,
             )
 
         return self._in_session(call)
@@ -409,8 +429,8 @@ class KVTierClient:
                 self._close_session(session.session_id)
         finally:
             self._conn.close()
-            if session is not None and session.arena is not None:
-                session.arena.close()
+            if session is not None:
+                session.close()
 
     def _close_session(self, session_id: str) -> None:
         try:

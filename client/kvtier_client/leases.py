@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from kvtier_client.device import CopyDone, DeviceArenaView
 from kvtier_client.errors import KVTierError
 from kvtier_client.keys import BlockKey
 from kvtier_client.results import CommitResult
@@ -33,6 +34,8 @@ log = logging.getLogger("kvtier_client")
 class SessionLike(Protocol):
     arena: HostArenaView | None
     session_id: str
+
+    def device_arena(self) -> DeviceArenaView: ...
 
 
 class LeaseOwner(Protocol):
@@ -87,7 +90,11 @@ class Lease:
         return tuple(arena.numpy(slot, writable=self._writable) for slot in self._visible_slots())
 
     def tensors(self) -> tuple["torch.Tensor", ...]:
-        """One zero-copy torch view per page, with the layout's real dtype. Needs torch."""
+        """One zero-copy torch view per page, with the layout's real dtype. Needs torch.
+        Device leases give CUDA tensors in the daemon's HBM (see ReadLease.tensors)."""
+        if self.tier == Tier.DEVICE:
+            arena = self.session.device_arena()
+            return tuple(arena.torch(slot) for slot in self._visible_slots())
         arena = self._arena()
         return tuple(arena.torch(slot) for slot in self._visible_slots())
 
@@ -131,11 +138,44 @@ class ReadLease(Lease):
     read-only tensors, so do not write through `tensors()` of a read lease."""
 
     def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: int, tier: Tier, slots: Sequence[int],
-                 *, keys: Sequence[BlockKey], ready: int, promoted: int) -> None:
+                 *, keys: Sequence[BlockKey], ready: int, promoted: int, ready_event: bytes = b"") -> None:
         super().__init__(owner, session, lease_id, tier, slots)
         self.keys = tuple(keys)
         self.ready = ready
         self.promoted = promoted
+        self._ready_event = ready_event  # device leases: CUDA IPC event of the host -> device copy
+        self._copy_done: CopyDone | None = None
+
+    def _event(self) -> CopyDone | None:
+        if self._ready_event and self._copy_done is None:
+            self._copy_done = CopyDone(self._ready_event, self.session.device_arena().device_id)
+        return self._copy_done
+
+    def wait(self) -> None:
+        """Block until the pages are readable (device leases; host leases already are)."""
+        if (event := self._event()) is not None:
+            event.wait()
+
+    def wait_on(self, stream_ptr: int) -> None:
+        """Make a CUDA stream wait until the pages are readable, without a host sync."""
+        if (event := self._event()) is not None:
+            event.wait_on(stream_ptr)
+
+    def tensors(self) -> tuple["torch.Tensor", ...]:
+        """Zero-copy torch views of the ready pages. For a device lease, torch's current
+        CUDA stream is first made to wait for the copy, so kernels queued after this call
+        on that stream read the landed pages; other streams: call `wait_on` yourself."""
+        if self.tier == Tier.DEVICE and self._ready_event:
+            import torch
+
+            self.wait_on(torch.cuda.current_stream().cuda_stream)
+        return super().tensors()
+
+    def release(self) -> None:
+        if self._copy_done is not None:
+            self._copy_done.close()
+            self._copy_done = None
+        super().release()
 
     def _visible_slots(self) -> tuple[int, ...]:
         return self.slots[: self.ready]

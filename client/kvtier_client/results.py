@@ -26,6 +26,9 @@ class PoolInfo:
     host_arena_bytes: int
     heartbeat_interval: float  # seconds
     session_timeout: float  # seconds
+    device_ipc_handle: bytes = b""  # the device arena's CUDA IPC handle; empty without a device tier
+    device_arena_bytes: int = 0
+    device_pci_bus_id: str = ""
 
     @classmethod
     def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
@@ -42,6 +45,9 @@ class PoolInfo:
             host_arena_bytes=reply.host_arena_bytes,
             heartbeat_interval=reply.heartbeat_interval_ms / 1000,
             session_timeout=reply.session_timeout_ms / 1000,
+            device_ipc_handle=reply.device_ipc_handle,
+            device_arena_bytes=reply.device_arena_bytes,
+            device_pci_bus_id=reply.device_pci_bus_id,
         )
 
     def capacity(self, tier: Tier) -> int:

@@ -679,7 +679,8 @@ class BlockStore:
 
     @_locked
     def persist(self) -> int:
-        """Copy host-only pages to disk (clean shutdown), evicting colder disk-only pages if needed.
+        """Copy host-only (and device-only, through host) pages to disk (clean shutdown),
+        evicting colder disk-only pages if needed.
 
         Host residency does not survive a restart; this keeps what the disk can hold. Pages
         go in commit order (the index's insertion order), so a prefix is saved before its
@@ -688,6 +689,12 @@ class BlockStore:
         """
         if Tier.DISK not in self.tiers:
             return 0
+        device_only = [b for b in self.blocks.values() if set(b.copies) == {Tier.DEVICE}]
+        if device_only:
+            try:  # through host, as far as host can take them
+                self._copy_down(device_only[: self.tiers[Tier.HOST].slots.capacity])
+            except CapacityError:
+                pass  # host is full of leased pages: the device-only pages are not saved
         host_only = [b for b in self.blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
         pinned = self._pinned(Tier.DISK)
         before = self.tiers[Tier.DISK].counters.demotions

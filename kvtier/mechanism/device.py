@@ -22,12 +22,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_client.layout import PageLayout
 
+from kvtier.mechanism.bandwidth import Throughput
 from kvtier.mechanism.host import HostArena
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+_GREATEST_PRIORITY = -100  # below any device's range: clamped to its greatest priority
 
 
 def _cupy():
@@ -59,6 +62,7 @@ class DeviceArena:
             try:
                 cupy.cuda.runtime.memset(self.ptr, 0, self.size)
                 self.ipc_handle: bytes = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr))
+                self.pci_bus_id: str = cupy.cuda.runtime.deviceGetPCIBusId(device_id)
             except BaseException:
                 cupy.cuda.runtime.free(self.ptr)
                 raise
@@ -114,6 +118,8 @@ class Transfer:
     event: Any  # cupy.cuda.Event(interprocess=True); None where no bytes move (replay)
     ipc_handle: bytes
     on_done: Callable[["Transfer", bool], None] | None = None  # (transfer, ok) on the completion thread
+    nbytes: int = 0
+    submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -130,9 +136,12 @@ class CopyEngine:
         self.device = device
         self.slot_bytes = host.layout.slot_bytes
         with cupy.cuda.Device(device.device_id):
-            least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
-            self.promote_stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
-            self.demote_stream = cupy.cuda.Stream(non_blocking=True, priority=least)
+            # CUDA clamps a priority outside the device's range to its end: -100 is the
+            # greatest priority the device has, 0 the least (the default).
+            self.promote_stream = cupy.cuda.Stream(non_blocking=True, priority=_GREATEST_PRIORITY)
+            self.demote_stream = cupy.cuda.Stream(non_blocking=True, priority=0)
+        #: Promotion bandwidth: submit to landed, as the completion thread sees it.
+        self.throughput = Throughput(self._probe)
         self._pending: queue.Queue[Transfer | None] = queue.Queue()
         self._completer = threading.Thread(target=self._complete, name="kvtier-copy-done", daemon=True)
         self._completer.start()
@@ -150,9 +159,26 @@ class CopyEngine:
             event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
             event.record(stream)
             handle = bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
-        transfer = Transfer(event, handle, on_done)
+        transfer = Transfer(event, handle, on_done, nbytes=len(pairs) * self.slot_bytes)
         self._pending.put(transfer)
         return transfer
+
+    def _probe(self, nbytes: int = 64 << 20) -> float:
+        """Bytes per second of one pinned host -> device copy on the promotion stream."""
+        cupy = _cupy()
+        with cupy.cuda.Device(self.device.device_id):
+            host = cupy.cuda.alloc_pinned_memory(nbytes)
+            dev = cupy.cuda.runtime.malloc(nbytes)
+            try:
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    cupy.cuda.runtime.memcpyAsync(dev, host.ptr, nbytes, _HOST_TO_DEVICE, self.promote_stream.ptr)
+                    self.promote_stream.synchronize()
+                    best = min(best, time.perf_counter() - start)
+            finally:
+                cupy.cuda.runtime.free(dev)
+        return nbytes / best
 
     def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
         """Copy (host slot, device slot) pairs on the promotion stream; returns at once."""
@@ -172,6 +198,8 @@ class CopyEngine:
             try:
                 transfer.event.synchronize()
                 ok = True
+                if transfer.on_done is not None:  # a promotion (demotions are waited for, markers move nothing)
+                    self.throughput.observe(transfer.nbytes, time.monotonic() - transfer.submitted)
             except Exception:
                 # A sticky CUDA error: these pages cannot be trusted, the core drops them.
                 log.exception("a device copy failed")

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import Enum
 
-import lmdb
 import xxhash
 from kvtier_client.layout import PageLayout
 
@@ -103,6 +102,8 @@ class DiskTier:
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
         synced = self.fsync is FsyncPolicy.BATCH
+        import lmdb  # here, not at module level: a daemon without a disk tier runs without lmdb
+
         self._env = lmdb.open(
             os.path.join(directory, "index.lmdb"),
             map_size=max(64 << 20, pages * 1024),

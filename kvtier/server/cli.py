@@ -23,6 +23,8 @@ from kvtier.server.config import ConfigError, load_config
 @click.option("--cache-dir", help="Disk tier directory. Default: $XDG_CACHE_HOME/kvtier.")
 @click.option("--host-size", help="Host tier size per layout, e.g. 8GiB. Default 1GiB.")
 @click.option("--disk-size", help="Disk tier size per layout, e.g. 100GiB; 0 for none. Default 8GiB.")
+@click.option("--device-size", help="GPU HBM per layout for the device tier, e.g. 40GiB; needs CUDA and CuPy. Default 0 (no device tier).")
+@click.option("--gpu", type=int, help="CUDA device index of the device tier. Default 0.")
 @click.option("--policy", type=click.Choice(["lru", "prefix"]), help="Eviction policy. Default lru.")
 @click.option("--write-through/--write-back", default=None, help="Copy pages to disk at commit, or only when evicted (default).")
 @click.option("--fsync", type=click.Choice(["batch", "interval", "never"]), help="When disk pages become durable: before their index commits (batch, default), every --fsync-interval, or never.")

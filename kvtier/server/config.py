@@ -56,6 +56,8 @@ class DaemonConfig:
     cache_dir: str = ""  # disk tier directory; "" = $XDG_CACHE_HOME/kvtier
     host_size: int = 1 << 30
     disk_size: int = 8 << 30
+    device_size: int = 0  # GPU HBM per layout for the device tier; 0 = no device tier
+    gpu: int = 0  # CUDA device index of the device tier
     policy: str = "lru"
     write_through: bool = False
     fsync: str = "batch"  # batch | interval | never (docs/tiers.md, "Durability")
@@ -104,6 +106,8 @@ class DaemonConfig:
             raise ConfigError("tls_cert and tls_key go together")
         if self.host_size <= 0:
             raise ConfigError("host_size must be positive: the host tier is where engines read and write pages")
+        if self.device_size < 0 or self.gpu < 0:
+            raise ConfigError("device_size and gpu must be >= 0 (device_size 0 = no device tier)")
         if self.fsync not in ("batch", "interval", "never"):
             raise ConfigError(f"fsync: unknown {self.fsync!r}; use batch, interval or never")
         if self.io_depth < 1 or self.io_depth > 256:
@@ -118,7 +122,7 @@ class DaemonConfig:
             raise ConfigError("metrics_port must be 0 (off) or a TCP port")
 
 
-_SIZES = {"host_size", "disk_size"}
+_SIZES = {"host_size", "disk_size", "device_size"}
 _DURATIONS = {"session_timeout", "drain_timeout", "fsync_interval", "prefetch_hold"}
 
 

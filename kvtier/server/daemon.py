@@ -121,6 +121,8 @@ class Daemon:
                 host_bytes=self.config.host_size,
                 disk_bytes=self.config.disk_size,
                 disk_dir=self.config.cache_dir,
+                device_bytes=self.config.device_size,
+                gpu=self.config.gpu,
                 policy=self.config.policy,
                 write_through=self.config.write_through,
                 fsync=self.config.fsync,
@@ -270,6 +272,25 @@ def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
     )
 
 
+def _check_device(cfg: DaemonConfig) -> None:
+    from kvtier.mechanism import kernels
+
+    if not kernels.is_available():
+        raise ConfigError(
+            "device_size needs a CUDA GPU and CuPy (pip install 'kvtier[gpu]'); none found: "
+            "set device_size 0 for host and disk tiers only"
+        )
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if cfg.gpu >= count:
+        raise ConfigError(f"gpu {cfg.gpu} does not exist: this machine has {count} CUDA device(s) (0..{count - 1})")
+    with cupy.cuda.Device(cfg.gpu):
+        free, _ = cupy.cuda.runtime.memGetInfo()
+    if cfg.device_size > free:
+        raise ConfigError(f"device_size {cfg.device_size >> 20} MiB exceeds the free memory of GPU {cfg.gpu} ({free >> 20} MiB)")
+
+
 def preflight(cfg: DaemonConfig) -> None:
     """Refuse a configuration that cannot work, with a one-line reason (ConfigError)."""
     if cfg.tls_cert:
@@ -296,6 +317,8 @@ def preflight(cfg: DaemonConfig) -> None:
                 f"disk_size {cfg.disk_size >> 20} MiB exceeds the free space under {cfg.cache_dir} ({free >> 20} MiB); "
                 "lower --disk-size or choose another --cache-dir"
             )
+    if cfg.device_size:
+        _check_device(cfg)
     if cfg.tcp:
         _check_port(cfg.tcp, "tcp")
     if cfg.metrics_port:

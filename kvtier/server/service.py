@@ -48,11 +48,13 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
     return wrapper
 
 
-def _tier_from_pb(value: int) -> Tier:
+def _tier_from_pb(value: int, pool) -> Tier:
     if value in (pb.TIER_UNSPECIFIED, pb.TIER_HOST):
         return Tier.HOST
     if value == pb.TIER_DEVICE:
-        raise InvalidArgument("this daemon has no device tier (no GPU); acquire into TIER_HOST")
+        if pool.device is None:
+            raise InvalidArgument("this daemon has no device tier (no GPU, or device_size 0); use TIER_HOST")
+        return Tier.DEVICE
     raise InvalidArgument(f"pages can be acquired into host (or device on GPU daemons), not tier {value}")
 
 
@@ -104,6 +106,9 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             tiers=tiers,
             host_arena=pool.host.name,
             host_arena_bytes=pool.host.size,
+            device_ipc_handle=pool.device.ipc_handle if pool.device is not None else b"",
+            device_arena_bytes=pool.device.size if pool.device is not None else 0,
+            device_pci_bus_id=pool.device.pci_bus_id if pool.device is not None else "",
             heartbeat_interval_ms=int(self.daemon.sessions.heartbeat_interval * 1000),
             session_timeout_ms=int(self.daemon.sessions.timeout * 1000),
             pool_id=pool.layout.layout_id,
@@ -143,12 +148,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     def Acquire(self, request, context) -> pb.AcquireResponse:
         self._open()
         s = self.daemon.sessions.get(request.session_id)
-        tier = _tier_from_pb(request.tier)
+        tier = _tier_from_pb(request.tier, s.pool)
         lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier, _wait_timeout(request))
         self.daemon.check_still_open(s, lease.lease_id)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
             ready=lease.ready, promoted=lease.promoted,
+            ready_event=lease.transfer.ipc_handle if lease.transfer is not None else b"",
         )
 
     @_rpc
@@ -162,7 +168,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
         self._open()
         s = self.daemon.sessions.get(request.session_id)
-        tier = _tier_from_pb(request.tier)
+        tier = _tier_from_pb(request.tier, s.pool)
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
         accepted = s.pool.store.prefetch(s.session_id, s.namespace, list(request.keys), tier, request.priority)
         return pb.PrefetchResponse(accepted=accepted)

@@ -127,3 +127,15 @@ def test_malformed_trace_gives_one_line_error(tmp_path, line, reason):
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"Error: {trace}:2: not a Mooncake trace line")
     assert reason in lines[0]
+
+
+def test_device_tier_on_top_keeps_the_hit_rate_and_serves_repeats(tiny_trace):
+    """Acquires into a device tier climb disk -> host -> device; the device is inclusive
+    (host keeps its copy), so the total hit rate is the host+disk one and the repeats that
+    stay hot are served from the device."""
+    base = replay(read_trace(str(tiny_trace)), host_pages=2, disk_pages=2, policy="lru")
+    with_device = replay(read_trace(str(tiny_trace)), host_pages=2, disk_pages=2, policy="lru", device_pages=2)
+    assert with_device.block_hit_rate == pytest.approx(base.block_hit_rate)
+    assert with_device.device_hit_blocks > 0
+    data = with_device.as_dict()
+    assert sum(data["tier_hit_rates"].values()) == pytest.approx(data["block_hit_rate"])

@@ -7,6 +7,8 @@ import socket
 import subprocess
 
 import pytest
+
+from kvtier.mechanism import kernels
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from rpc import run_kvtier, tier_stats
 
@@ -44,6 +46,8 @@ REFUSALS = {
     "unknown config key": (lambda p: ["--config", str(p / "bad.toml")], ["unknown key 'host_sise'"]),
     "socket path too long": (lambda p: ["--socket", str(p / ("x" * 120) / "kvtier.sock")], ["socket path", "shorter"]),
 }
+if not kernels.is_available():
+    REFUSALS["device tier without a gpu"] = (["--device-size", "1GiB"], ["device_size", "CUDA", "device_size 0"])
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))

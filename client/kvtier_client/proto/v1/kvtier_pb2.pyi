@@ -69,7 +69,7 @@ class TierInfo(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id")
+    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class RegisterResponse(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page_bytes: int
     slot_bytes: int
@@ -90,7 +92,9 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_ms: int
     session_timeout_ms: int
     pool_id: str
-    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena: _Optional[str] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    device_arena_bytes: int
+    device_pci_bus_id: str
+    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena: _Optional[str] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -185,18 +189,20 @@ class AcquireRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., wait: _Optional[_Union[WaitPolicy, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "tier", "slots", "ready", "promoted")
+    __slots__ = ("lease_id", "tier", "slots", "ready", "promoted", "ready_event")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     tier: Tier
     slots: _containers.RepeatedScalarFieldContainer[int]
     ready: int
     promoted: int
-    def __init__(self, lease_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., ready: _Optional[int] = ..., promoted: _Optional[int] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., ready: _Optional[int] = ..., promoted: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
