@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/setup_vllm.sh   # .venv-vllm for the vLLM connector's end-to-end test (a few minutes, once)
 scripts/gen_proto.sh --check
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,181 @@
+"""vLLM with the kvtier connector, end to end on CPU: a real daemon, a tiny random Llama and
+three separate engine processes (run with .venv-vllm's python, see scripts/setup_vllm.sh):
+
+1. reference: no connector, no prefix caching: every token recomputed;
+2. cold: with the connector; kvtier is empty, so every full prompt block is stored, chunk
+   by chunk (prefill in chunks of 64 tokens);
+3. warm: a fresh engine (nothing in vLLM's own cache) with the connector, in separate
+   engine-core and worker processes as `vllm serve` runs them.
+
+Prompts: P1 (300 tokens), P2 (its first 200 tokens, then 60 others) and P3 (256 tokens,
+exactly 8 blocks). Blocks are 32 tokens: vLLM's CPU attention needs a multiple of 32.
+In the warm run P1 loads all 9 full blocks (288 tokens) from kvtier; P2 gets its first 6
+blocks from vLLM's own prefix cache (P1 just ran) and the 2 more the cold run stored from
+kvtier; P3, cached in full, loads 255 tokens because vLLM computes the last prompt token
+itself. Greedy outputs and their logprobs equal the reference run's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from daemon import start_daemon
+from kvtier_client import KVTierClient, Tier
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+HELPER = Path(__file__).with_name("vllm_engine_run.py")
+BLOCK = 32  # tests/integrations/vllm_engine_run.py BLOCK_SIZE
+ENGINE_TIMEOUT = 600
+
+pytestmark = [
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"{VLLM_PYTHON} is absent: run scripts/setup_vllm.sh to create .venv-vllm (vLLM CPU + kvtier-client)",
+    ),
+    pytest.mark.timeout(3 * ENGINE_TIMEOUT),
+]
+
+
+def _prompts() -> list[list[str]]:
+    rng = random.Random(7)
+
+    def words(n: int) -> list[str]:
+        return [f"w{rng.randrange(509)}" for _ in range(n)]
+
+    p1 = words(300)
+    p2 = p1[:200] + words(60)
+    p3 = words(256)
+    return [p1, p2, p3]
+
+
+def _engine(tmp_path: Path, name: str, model: Path, prompts: Path, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    log_path = tmp_path / f"{name}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    command = [str(VLLM_PYTHON), str(HELPER), "run", "--model", str(model), "--prompts", str(prompts),
+               "--out", str(out), *args]
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                  timeout=ENGINE_TIMEOUT)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not out.exists():
+        tail = log_path.read_text(errors="replace")[-6000:]
+        raise AssertionError(f"{name} engine run failed ({code}): {' '.join(command)}\n--- log tail ---\n{tail}")
+    return json.loads(out.read_text())
+
+
+def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
+    prompts = _prompts()
+    prompt_file = tmp_path / "prompts.json"
+    prompt_file.write_text(json.dumps([" ".join(p) for p in prompts]))
+    model = tmp_path / "model"
+    daemon = start_daemon(tmp_path, host_size="32MiB", disk_size="64MiB")
+    try:
+        kv = ("--kvtier", daemon.target, "--namespace", "e2e/tiny-llama")
+        ref = _engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching")
+        # Prefill in chunks of 2 blocks: each chunk stores the blocks it completes.
+        cold = _engine(tmp_path, "cold", model, prompt_file, *kv, "--in-process", "--max-num-batched-tokens", "64")
+        warm = _engine(tmp_path, "warm", model, prompt_file, *kv)
+        with KVTierClient(daemon.target) as client:
+            stats = client.stats()
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
+
+    lengths = [len(r["prompt_token_ids"]) for r in ref["results"]]
+    assert lengths == [len(p) for p in prompts]  # one token per word
+    full = [n // BLOCK for n in lengths]  # full blocks: 9, 8, 8
+    shared = 200 // BLOCK  # P2's blocks that are P1's: 6
+
+    # Reference: nothing cached anywhere.
+    assert [r["num_cached_tokens"] for r in ref["results"]] == [0, 0, 0]
+
+    # Cold: nothing loaded; every full prompt block stored, P2's from where P1's chain ends.
+    cold_kv = [r["kv_transfer_params"]["kvtier"] for r in cold["results"]]
+    assert [c["loaded_tokens"] for c in cold_kv] == [0, 0, 0]
+    assert [c["stored_blocks"] for c in cold_kv] == [full[0], full[1] - shared, full[2]]
+    assert cold["results"][1]["num_cached_tokens"] == shared * BLOCK  # vLLM's own prefix cache
+    # The worker measured P1's prefill and the scheduler's planner got it.
+    assert cold_kv[2]["prefill_tokens_per_second"], cold_kv
+
+    # Warm: the external hits, with vLLM computing the last token of a fully cached prompt.
+    warm_kv = [r["kv_transfer_params"]["kvtier"] for r in warm["results"]]
+    external = [c["loaded_tokens"] for c in warm_kv]
+    assert external == [
+        min(full[0] * BLOCK, lengths[0] - 1),  # 288: every full block of P1
+        (full[1] - shared) * BLOCK,  # 64: P2's blocks beyond vLLM's local hit
+        lengths[2] - 1,  # 255: P3 cached in full
+    ], warm_kv
+    assert [r["num_cached_tokens"] for r in warm["results"]] == [external[0], full[1] * BLOCK, external[2]]
+    assert [c["stored_blocks"] for c in warm_kv] == [0, 0, 0]
+
+    # Same greedy tokens as recomputing everything, and the same logprobs.
+    for run in (cold, warm):
+        for got, want in zip(run["results"], ref["results"]):
+            assert got["prompt_token_ids"] == want["prompt_token_ids"]
+            assert got["token_ids"] == want["token_ids"]
+            assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
+
+    # The daemon holds each distinct block once.
+    pools = [p for p in stats.pools if p.layout.block_tokens == BLOCK]
+    assert len(pools) == 1
+    assert pools[0].tier(Tier.HOST).cached_pages == full[0] + (full[1] - shared) + full[2]
+
+    print(f"\nvLLM engines: reference {ref['startup_s']:.1f}s start + {ref['generate_s']:.1f}s, cold "
+          f"{cold['startup_s']:.1f}s + {cold['generate_s']:.1f}s, warm {warm['startup_s']:.1f}s + "
+          f"{warm['generate_s']:.1f}s; warm external hit tokens {external}")
+
+
+CONFIG_CHECK = r"""
+import json, sys
+from kvtier_client.integrations.vllm import ConnectorConfig
+answers = {}
+for name, extra in json.loads(sys.argv[1]).items():
+    try:
+        answers[name] = repr(ConnectorConfig.from_extra(extra, default_namespace="vllm/m"))
+    except ValueError as exc:
+        answers[name] = "ValueError: " + str(exc)
+print(json.dumps(answers))
+"""
+
+
+def test_vllm_connector_config_errors(tmp_path: Path) -> None:
+    """kv_connector_extra_config mistakes are refused at engine start with what to fix."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789\n")
+    cases = {
+        "typo": {"targt": "unix:///x.sock"},
+        "target": {"target": "kvtier.sock"},
+        "token_file": {"token_file": str(tmp_path / "missing")},
+        "both_tokens": {"token": "a" * 16, "token_file": str(token)},
+        "planner": {"planner": "maybe"},
+        "timeout": {"connect_timeout": 0},
+        "format": {"kv_cache_format": "nhd"},
+        "tls_on_unix": {"target": "unix:///x.sock", "tls_ca": str(token)},
+        "good": {"target": "unix:///run/kvtier.sock", "token_file": str(token), "salt": "t", "planner": False},
+    }
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", CONFIG_CHECK, json.dumps(cases)], check=False, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "unknown kv_connector_extra_config key(s) ['targt']" in answers["typo"]
+    assert "neither 'unix:///abs/path.sock' nor 'host:port'" in answers["target"]
+    assert "cannot read token_file" in answers["token_file"]
+    assert "either token or token_file" in answers["both_tokens"]
+    assert "must be true or false" in answers["planner"]
+    assert "connect_timeout must be positive" in answers["timeout"]
+    assert "kv_cache_format must be one of" in answers["format"]
+    assert "not a unix socket" in answers["tls_on_unix"]
+    good = answers["good"]
+    assert good.startswith("ConnectorConfig(") and "use_planner=False" in good and "salt=b't'" in good
+    assert "s3cret" not in good  # the token never shows in a repr (or a log line)

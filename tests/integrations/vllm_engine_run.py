@@ -1,0 +1,125 @@
+"""One vLLM engine process for tests/integrations/test_vllm_e2e.py (run with .venv-vllm's python).
+
+    vllm_engine_run.py build MODEL_DIR
+        save a tiny random Llama (float32, 2 layers, 2 KV heads of 64) and an offline
+        word-level tokenizer ("w0" .. "w508", one token per word) into MODEL_DIR
+    vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model]
+                           [--kvtier TARGET --namespace NS] [--no-prefix-caching] [--in-process]
+                           [--max-tokens N] [--max-num-batched-tokens N]
+        (--build-model: build MODEL_DIR first, in this process) run the prompts one
+        generate() call after another (greedy) and write, per prompt,
+        the prompt and generated token ids, the generated tokens' logprobs, vLLM's
+        num_cached_tokens and the connector's kv_transfer_params. --in-process runs the
+        engine core and the worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+        starts in half the time); by default they are separate processes, as in `vllm serve`,
+        so the connector's metadata crosses process boundaries.
+
+Everything runs offline: no hub, no usage stats. vLLM is imported only under `__main__`
+(its engine starts worker processes that re-import this file).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+VOCAB_WORDS = 509
+
+
+def build(model_dir: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB_WORDS)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(words), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.build_model:
+        build(args.model)
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_config = None
+    if args.kvtier:
+        kv_config = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier_client.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"target": args.kvtier, "namespace": args.namespace, "salt": "e2e"},
+        )
+    started = time.monotonic()
+    llm = LLM(
+        model=args.model, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024, enforce_eager=True,
+        enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv_config, seed=0,
+        max_num_seqs=4, disable_log_stats=True,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
+    )
+    ready = time.monotonic()
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
+    results = []
+    for prompt in prompts:  # one call per prompt: each finishes (and is stored) before the next
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        results.append({
+            "prompt_token_ids": list(out.prompt_token_ids),
+            "token_ids": list(completion.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids)],
+            "num_cached_tokens": out.num_cached_tokens,
+            "kv_transfer_params": out.kv_transfer_params,
+        })
+    done = time.monotonic()
+    with open(args.out, "w") as f:
+        json.dump({"results": results, "startup_s": ready - started, "generate_s": done - ready}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("model_dir")
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--prompts", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--kvtier", help="kvtier daemon target; without it the engine runs without a connector")
+    r.add_argument("--namespace", default="e2e/tiny-llama")
+    r.add_argument("--build-model", action="store_true")
+    r.add_argument("--in-process", action="store_true")
+    r.add_argument("--no-prefix-caching", action="store_true")
+    r.add_argument("--max-tokens", type=int, default=12)
+    r.add_argument("--max-num-batched-tokens", type=int, help="small values split prompts into prefill chunks")
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args.model_dir)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
