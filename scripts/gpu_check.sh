@@ -22,6 +22,8 @@ if ! "$PYTHON" -c 'import sys; from kvtier.mechanism.kernels import is_available
   echo "gpu_check: no GPU here (needs CuPy importable and a CUDA device); nothing run" >&2
   exit 2
 fi
+# CuPy compiles kernels with NVRTC: fail here, clearly, if it is missing.
+"$PYTHON" -c 'import cupy; assert int(cupy.arange(3).sum()) == 3' || { echo "gpu_check: CuPy cannot compile kernels (NVRTC missing?)" >&2; exit 1; }
 # -o addopts= : the project's defaults deselect gpu tests and need pytest-timeout.
 "$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rs \
   tests/mechanism/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@"

@@ -65,6 +65,9 @@ class _Registration:
     algorithm: str
 
 
+_DEVICE_OPEN_LOCK = threading.Lock()
+
+
 @dataclass
 class _Session:
     """One registration's answer and this process's mapping of its arena. Replaced as a
@@ -79,6 +82,10 @@ class _Session:
         return self.info.session_id
 
     def device_arena(self) -> DeviceArenaView:
+        with _DEVICE_OPEN_LOCK:  # one mapping per session, whichever thread asks first
+            return self._open_device()
+
+    def _open_device(self) -> DeviceArenaView:
         if self.device is None:
             info = self.info
             self.device = DeviceArenaView(

@@ -164,11 +164,13 @@ class ReadLease(Lease):
     def tensors(self) -> tuple["torch.Tensor", ...]:
         """Zero-copy torch views of the ready pages. For a device lease, torch's current
         CUDA stream is first made to wait for the copy, so kernels queued after this call
-        on that stream read the landed pages; other streams: call `wait_on` yourself."""
+        on that stream read the landed pages; other streams: call `wait_on` yourself.
+        Before `release`, make sure kernels reading these pages have finished (synchronize
+        their stream): after release the daemon may reuse the slots."""
         if self.tier == Tier.DEVICE and self._ready_event:
             import torch
 
-            self.wait_on(torch.cuda.current_stream().cuda_stream)
+            self.wait_on(torch.cuda.current_stream(self.session.device_arena().device_id).cuda_stream)
         return super().tensors()
 
     def release(self) -> None:

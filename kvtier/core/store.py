@@ -478,10 +478,17 @@ class BlockStore:
         """
         device = self.tiers[Tier.DEVICE]
         missing = [b for b in blocks if Tier.DEVICE not in b.copies]
-        in_flight = any(b.copies[Tier.DEVICE].loading for b in blocks if Tier.DEVICE in b.copies)
+        present = [b for b in blocks if Tier.DEVICE in b.copies]
+        in_flight = any(b.copies[Tier.DEVICE].loading for b in present)
         if not missing:
             return self.mover.marker() if in_flight else None
-        self._make_room(Tier.DEVICE, len(missing))
+        # Copies that arrived while we waited (another acquire's) must not be chosen for room.
+        for b in present:
+            b.copies[Tier.DEVICE].waiters += 1
+        try:
+            self._make_room(Tier.DEVICE, len(missing))
+        finally:
+            self._stop_waiting(present, Tier.DEVICE)
         pairs = []
         for b in missing:
             slot = device.slots.alloc()
@@ -548,13 +555,22 @@ class BlockStore:
 
         Raises CapacityError, having changed nothing, when room for the loads cannot be made.
         """
-        self._copy_down([b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies])
-        missing = [b for b in blocks if tier not in b.copies]
-        present = [b for b in blocks if tier in b.copies]
         # Protect everything involved while room is made: the copies here (as waiters,
-        # which they stay) and the disk copies about to be read.
+        # which they stay), device-only pages copied down first, and the disk copies about
+        # to be read.
+        present = [b for b in blocks if tier in b.copies]
         for b in present:
             b.copies[tier].waiters += 1
+        down = [b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies]
+        try:
+            self._copy_down(down)
+        except CapacityError:
+            self._stop_waiting(present, tier)
+            raise
+        for b in down:
+            b.copies[tier].waiters += 1
+        present += down
+        missing = [b for b in blocks if tier not in b.copies]
         for b in missing:
             b.copies[Tier.DISK].waiters += 1
         try:
@@ -600,13 +616,16 @@ class BlockStore:
     def _demote_to_host(self, blocks: list[Block]) -> None:
         """Copy device pages to free host slots (the caller made room) and file the copies."""
         host = self.tiers[Tier.HOST]
-        pairs = []
-        for b in blocks:
-            slot = host.slots.alloc()
+        slots = [host.slots.alloc() for _ in blocks]
+        try:
+            self.mover.demote([(b.copies[Tier.DEVICE].slot, slot) for b, slot in zip(blocks, slots)])
+        except BaseException:
+            for slot in slots:
+                host.slots.free(slot)
+            raise
+        for b, slot in zip(blocks, slots):  # filed only once the bytes are there
             self._host_owner[slot] = b.ref[0]
-            pairs.append((b.copies[Tier.DEVICE].slot, slot))
             self._add_copy(b, Tier.HOST, Copy(slot))
-        self.mover.demote(pairs)
         host.counters.demotions += len(blocks)
         host.counters.bytes_in += len(blocks) * self.layout.page_bytes
 
@@ -728,6 +747,10 @@ class BlockStore:
             lease = self._get_lease(session, lease_id, None)
             if lease.kind is not kind:
                 raise FailedPrecondition(f"lease {lease_id} is a {lease.kind.value} lease; this needs a {kind.value} lease")
+            if lease.tier is not Tier.HOST:
+                raise FailedPrecondition(
+                    f"lease {lease_id} holds {lease.tier.label} pages; the slow path moves host pages: acquire into host"
+                )
             yield tuple(lease.slots)
 
     def _release(self, lease: Lease) -> None:
@@ -811,10 +834,15 @@ class BlockStore:
             self._copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
         if tier == Tier.DEVICE:
             only_here = [b for b in victims if Tier.HOST not in b.copies]
+            also_host = [b for b in victims if Tier.HOST in b.copies]
+            for b in also_host:  # their host copies are what survives: not room for the others
+                b.copies[Tier.HOST].waiters += 1
             try:
                 self._make_room(Tier.HOST, len(only_here))
             except CapacityError:
                 only_here = []  # host is full of leased pages: these device pages are dropped
+            finally:
+                self._stop_waiting(also_host, Tier.HOST)
             if only_here:
                 self._demote_to_host(only_here)
         self._drop_copies(victims, tier)

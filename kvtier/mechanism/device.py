@@ -6,13 +6,18 @@ that moves pages between them. Byte movement only; the core decides what moves.
                   which open it once and address pages by slot, zero copy.
     pin_host      cudaHostRegister of the shared-memory host arena, so host <-> device
                   copies are DMA from and to the very pages engines map; undone at close.
-    CopyEngine    two streams: promotion (host -> device) at the device's highest stream
-                  priority, demotion (device -> host) at its lowest, so loads go ahead of
-                  stores. A submission is many pages (adjacent slots coalesced into one
-                  cudaMemcpyAsync) and ends with one interprocess CUDA event: its handle
-                  goes to the engine, which can make its own stream wait on it without a
-                  host sync (or wait on the host). A completion thread hears each event
-                  and calls the core back, which is when a source host page may be reused.
+    CopyEngine    two non-blocking streams, promotion (host -> device) and demotion
+                  (device -> host): a load never queues behind a store, and the two
+                  directions run on the GPU's separate copy engines. (Stream priorities
+                  would not help: CUDA applies them to kernels, not to memory copies.)
+                  A promotion is many pages (adjacent slots coalesced into one
+                  cudaMemcpyAsync) ending in one interprocess CUDA event: its handle goes
+                  to the engine, which can make its own stream wait on it without a host
+                  sync (or wait on the host). A completion thread hears each event and
+                  calls the core back, which is when a source host page may be reused.
+                  A demotion is waited for by its caller on its own stream (it never
+                  goes through the completion thread, whose callbacks take the store
+                  lock that the demoting caller holds).
 
 CuPy is imported only here and only when a device tier is configured: a daemon without a GPU
 never imports it (kernels.is_available() says whether one can be built).
@@ -37,13 +42,16 @@ log = logging.getLogger(__name__)
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-_GREATEST_PRIORITY = -100  # below any device's range: clamped to its greatest priority
 
 
 def _cupy():
     import cupy
 
     return cupy
+
+
+class DeviceNoSpace(RuntimeError):
+    """The GPU cannot hold another device arena (each page layout gets its own)."""
 
 
 class DeviceArena:
@@ -58,9 +66,16 @@ class DeviceArena:
         self.device_id = device_id
         self.size = pages * layout.slot_bytes
         with cupy.cuda.Device(device_id):
-            self.ptr = cupy.cuda.runtime.malloc(self.size)
+            try:
+                self.ptr = cupy.cuda.runtime.malloc(self.size)
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise DeviceNoSpace(
+                    f"GPU {device_id} cannot allocate a {self.size >> 20} MiB device arena ({exc}); "
+                    "lower device_size or max_pools (every page layout gets device_size)"
+                ) from None
             try:
                 cupy.cuda.runtime.memset(self.ptr, 0, self.size)
+                cupy.cuda.runtime.deviceSynchronize()  # zeroed before any other stream copies in
                 self.ipc_handle: bytes = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr))
                 self.pci_bus_id: str = cupy.cuda.runtime.deviceGetPCIBusId(device_id)
             except BaseException:
@@ -136,35 +151,56 @@ class CopyEngine:
         self.device = device
         self.slot_bytes = host.layout.slot_bytes
         with cupy.cuda.Device(device.device_id):
-            # CUDA clamps a priority outside the device's range to its end: -100 is the
-            # greatest priority the device has, 0 the least (the default).
-            self.promote_stream = cupy.cuda.Stream(non_blocking=True, priority=_GREATEST_PRIORITY)
-            self.demote_stream = cupy.cuda.Stream(non_blocking=True, priority=0)
+            self.promote_stream = cupy.cuda.Stream(non_blocking=True)
+            self.demote_stream = cupy.cuda.Stream(non_blocking=True)
+            self._probe_stream = cupy.cuda.Stream(non_blocking=True)
+        self._closed = False
         #: Promotion bandwidth: submit to landed, as the completion thread sees it.
         self.throughput = Throughput(self._probe)
         self._pending: queue.Queue[Transfer | None] = queue.Queue()
         self._completer = threading.Thread(target=self._complete, name="kvtier-copy-done", daemon=True)
         self._completer.start()
 
-    def _submit(self, stream: Any, pairs: Sequence[tuple[int, int]], kind: int,
-                on_done: Callable[[Transfer, bool], None] | None) -> Transfer:
+    def _copy(self, stream: Any, pairs: Sequence[tuple[int, int]], kind: int) -> None:
         cupy = _cupy()
+        if self._closed:
+            raise RuntimeError("copy engine is closed")
         src_base, dst_base = (self.host.address, self.device.ptr) if kind == _HOST_TO_DEVICE else (self.device.ptr, self.host.address)
+        for src, dst, count in coalesce(pairs):
+            cupy.cuda.runtime.memcpyAsync(
+                dst_base + dst * self.slot_bytes, src_base + src * self.slot_bytes,
+                count * self.slot_bytes, kind, stream.ptr,
+            )
+
+    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None] | None) -> Transfer:
+        """Copy (host slot, device slot) pairs on the promotion stream; returns at once.
+        `on_done(transfer, ok)` runs on the completion thread when they have landed."""
+        cupy = _cupy()
         with cupy.cuda.Device(self.device.device_id):
-            for src, dst, count in coalesce(pairs):
-                cupy.cuda.runtime.memcpyAsync(
-                    dst_base + dst * self.slot_bytes, src_base + src * self.slot_bytes,
-                    count * self.slot_bytes, kind, stream.ptr,
-                )
-            event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
-            event.record(stream)
+            self._copy(self.promote_stream, pairs, _HOST_TO_DEVICE)
+            # block=True: the completion thread sleeps in cudaEventSynchronize instead of spinning.
+            event = cupy.cuda.Event(block=True, disable_timing=True, interprocess=True)
+            event.record(self.promote_stream)
             handle = bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
         transfer = Transfer(event, handle, on_done, nbytes=len(pairs) * self.slot_bytes)
         self._pending.put(transfer)
         return transfer
 
+    def marker(self) -> Transfer:
+        """An event after every promotion submitted so far (the stream runs in order)."""
+        return self.promote(())
+
+    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy (device slot, host slot) pairs on the demotion stream and wait for them here:
+        the device slots are reused as soon as this returns."""
+        cupy = _cupy()
+        with cupy.cuda.Device(self.device.device_id):
+            self._copy(self.demote_stream, pairs, _DEVICE_TO_HOST)
+            self.demote_stream.synchronize()
+
     def _probe(self, nbytes: int = 64 << 20) -> float:
-        """Bytes per second of one pinned host -> device copy on the promotion stream."""
+        """Bytes per second of one pinned host -> device copy (on a stream of its own, so real
+        promotions are not queued behind it)."""
         cupy = _cupy()
         with cupy.cuda.Device(self.device.device_id):
             host = cupy.cuda.alloc_pinned_memory(nbytes)
@@ -173,32 +209,19 @@ class CopyEngine:
                 best = float("inf")
                 for _ in range(3):
                     start = time.perf_counter()
-                    cupy.cuda.runtime.memcpyAsync(dev, host.ptr, nbytes, _HOST_TO_DEVICE, self.promote_stream.ptr)
-                    self.promote_stream.synchronize()
+                    cupy.cuda.runtime.memcpyAsync(dev, host.ptr, nbytes, _HOST_TO_DEVICE, self._probe_stream.ptr)
+                    self._probe_stream.synchronize()
                     best = min(best, time.perf_counter() - start)
             finally:
                 cupy.cuda.runtime.free(dev)
         return nbytes / best
-
-    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
-        """Copy (host slot, device slot) pairs on the promotion stream; returns at once."""
-        return self._submit(self.promote_stream, pairs, _HOST_TO_DEVICE, on_done)
-
-    def marker(self) -> Transfer:
-        """An event after every promotion submitted so far (the stream runs in order)."""
-        return self._submit(self.promote_stream, (), _HOST_TO_DEVICE, None)
-
-    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy (device slot, host slot) pairs on the demotion stream and wait: the device
-        slots are reused as soon as this returns."""
-        self._submit(self.demote_stream, pairs, _DEVICE_TO_HOST, None).wait()
 
     def _complete(self) -> None:
         while (transfer := self._pending.get()) is not None:
             try:
                 transfer.event.synchronize()
                 ok = True
-                if transfer.on_done is not None:  # a promotion (demotions are waited for, markers move nothing)
+                if transfer.nbytes:  # markers move nothing
                     self.throughput.observe(transfer.nbytes, time.monotonic() - transfer.submitted)
             except Exception:
                 # A sticky CUDA error: these pages cannot be trusted, the core drops them.
@@ -207,10 +230,13 @@ class CopyEngine:
             try:
                 if transfer.on_done is not None:
                     transfer.on_done(transfer, ok)
+            except Exception:
+                log.exception("a device copy's completion callback failed")  # keep serving the others
             finally:
                 transfer.done.set()
 
     def close(self) -> None:
         """Finish every submitted copy, then stop the completion thread."""
+        self._closed = True
         self._pending.put(None)
         self._completer.join()

@@ -35,6 +35,7 @@ import kvtier
 from kvtier.core.store import StoreStats, check_namespace
 from kvtier.mechanism.disk import DiskLayoutMismatch
 from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace
+from kvtier.mechanism.device import DeviceNoSpace
 from kvtier.pool import Pool, PoolConfig
 from kvtier.server.config import ConfigError, DaemonConfig, load_tokens
 from kvtier.server.metrics import Metrics
@@ -139,7 +140,7 @@ class Daemon:
             except (ArenaInUse, DiskLayoutMismatch) as exc:  # the operator's to fix; the log says so too
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise FailedPrecondition(f"daemon cannot serve this layout: {exc}") from None
-            except ArenaNoSpace as exc:
+            except (ArenaNoSpace, DeviceNoSpace) as exc:
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise CapacityError(str(exc)) from None
             self.pools[layout.layout_id] = pool

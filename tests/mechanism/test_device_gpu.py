@@ -49,6 +49,7 @@ def test_promote_and_demote_keep_every_byte(layout):
         for slot in range(16):
             host.page(slot)[:] = rng.integers(0, 256, layout.page_bytes, dtype=np.uint8)
         device.pages_array()[...] = POISON
+        cupy.cuda.Device().synchronize()  # the fill runs on the default stream, the copies on another
         # Runs of adjacent slots (coalesced into one copy) and scattered ones, in one submission.
         pairs = [(0, 3), (1, 4), (2, 5), (9, 0), (15, 10), (7, 11), (8, 12)]
         landed = []

@@ -48,7 +48,8 @@ def test_copy_pages_gpu_equals_cpu(page_bytes: int) -> None:
     kernels.copy_pages_gpu(d_src, d_dst, pairs, page_bytes)
     cupy.cuda.get_current_stream().synchronize()
     np.testing.assert_array_equal(as_bytes(d_dst), dst)
-    assert (as_bytes(d_dst) == POISON).sum() == 3 * page_bytes
+    # Random bytes can equal the poison: count whole untouched pages instead.
+    assert (as_bytes(d_dst).reshape(33, page_bytes) == POISON).all(axis=1).sum() == 3
 
 
 def _engine_and_pairs(rng, shape, dtype, num_blocks=12, n_pages=10):
@@ -115,7 +116,7 @@ def test_gpu_launchers_reject_bad_pairs_before_writing() -> None:
     import cupy
 
     rng = np.random.default_rng(0)
-    tensors, _ = _engine_and_pairs(rng, (2, 4, 2, 8), np.float16, num_blocks=3, n_pages=2)
+    tensors, _ = _engine_and_pairs(rng, (2, 4, 2, 8), np.float16, num_blocks=3, n_pages=8)
     d_tensors = [cupy.asarray(t) for t in tensors]
     d_pages = cupy.asarray(poisoned((2, 2, 2, 4, 2, 8), np.float16))
     with pytest.raises(ValueError, match="block id 3 out of range"):
