@@ -113,3 +113,33 @@ def test_device_requests_on_a_daemon_without_a_device_say_so():
         s.acquire(S, NS, [b"a"], Tier.DEVICE)
     with pytest.raises(InvalidArgument, match="prefetch into device"):
         store().prefetch(S, NS, [b"a"], Tier.DEVICE)
+
+
+def test_the_byte_slow_path_refuses_device_leases():
+    from kvtier_client.errors import FailedPrecondition
+
+    from kvtier.core.store import LeaseKind
+
+    s = store()
+    put(s, b"a")
+    lease = s.acquire(S, NS, [b"a"], Tier.DEVICE)
+    with pytest.raises(FailedPrecondition, match="acquire into host"):
+        with s.lease_slots(S, lease.lease_id, LeaseKind.READ):
+            pass
+
+
+def test_making_device_room_keeps_the_host_copies_of_co_victims():
+    """Evicting two device pages, one with a host copy: making host room for the other
+    must not take the first's host copy (without a disk tier it would be lost)."""
+    s = store(device=2, host=3, disk=0)
+    put(s, b"a", b"b")
+    s.release(S, s.acquire(S, NS, [b"a", b"b"], Tier.DEVICE).lease_id)
+    put(s, b"c")
+    put(s, b"d")  # host (3 pages) drops its coldest, a: a is device-only now
+    assert tiers(s, b"a") == {Tier.DEVICE} and tiers(s, b"b") == {Tier.DEVICE, Tier.HOST}
+    # c and d need both device pages: a and b go. Host is b, c, d, with c and d in use,
+    # so a cannot be copied down; b's host copy must survive.
+    s.acquire(S, NS, [b"c", b"d"], Tier.DEVICE)
+    assert tiers(s, b"b") == {Tier.HOST}
+    assert tiers(s, b"a") == set()
+    check_invariants(s)
