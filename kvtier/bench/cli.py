@@ -1,11 +1,21 @@
 """`kvtier bench`: measurements of kvtier's own parts on this machine."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import json
 import os
+import signal
+import sys
 
 import click
 
+from kvtier.bench import all as all_bench
+from kvtier.bench import disk as disk_bench
+from kvtier.bench import peers as peers_bench
+from kvtier.bench import trace as trace_bench
+from kvtier.bench.rpc import render_rpc, run_rpc_bench
 from kvtier.bench.tiers import (
     DEFAULT_BYTES,
     DEFAULT_PAGE_SIZES,
@@ -15,8 +25,6 @@ from kvtier.bench.tiers import (
     format_table,
     run_tiers,
 )
-from kvtier.bench.rpc import render_rpc, run_rpc_bench
-from kvtier.bench import disk as disk_bench
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.units import parse_size
 
@@ -61,14 +69,56 @@ def _progress(as_json: bool):
     return (lambda message: None) if as_json else (lambda message: click.echo(f"... {message}", err=True))
 
 
-@click.group()
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """While inside, SIGTERM ends the benchmark like Ctrl-C does: through its clean-up, which
+    stops the servers it started (each runs in its own session, so a terminal's signals miss them)."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _BenchGroup(click.Group):
+    """`kvtier bench`, whose `e2e` command (kvtier/bench/e2e.py: torch, transformers) is imported
+    only when it is asked for: every other command, and `kvtier serve` which shares this CLI,
+    works whatever state that module is in."""
+
+    LAZY = {"e2e": ("kvtier.bench.e2e", "command")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.LAZY or name in self.commands:
+            return super().get_command(ctx, name)
+        module, attribute = self.LAZY[name]
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except Exception as exc:  # noqa: BLE001 - any failure to load: say so when the command is used
+            reason = f"{module} does not load ({type(exc).__name__}: {exc})"
+
+            @click.command(name, help=f"Unavailable: {reason}.", context_settings={"ignore_unknown_options": True})
+            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+            def unavailable(args: tuple[str, ...]) -> None:
+                raise click.ClickException(reason)
+
+            return unavailable
+
+
+@click.group(cls=_BenchGroup)
 def bench() -> None:
     """Benchmarks of kvtier's tiers against the raw operations they are built on."""
 
 
 @bench.command("tiers")
 @_page_bench_options()
-def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str | None, as_json: bool, quick: bool) -> None:
+@click.option("--daemon", "through_daemon", is_flag=True,
+              help="Also measure host put/get through a `kvtier serve` subprocess and the client's shared-memory "
+                   "mapping (borrow/commit, acquire/release), next to np.copyto into the same arena pages.")
+def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str | None, as_json: bool, quick: bool,
+                  through_daemon: bool) -> None:
     """Host put/get and disk write/read through a real pool (shared-memory arena, disk tier
     with O_DIRECT and checksums), each next to its baseline in the same run: np.copyto for
     the host tier, raw O_DIRECT pwrite/pread of the same pages for the disk tier. Prints
@@ -79,6 +129,7 @@ def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str
             pages=pages,
             quick=quick,
             directory=os.path.abspath(directory) if directory else None,
+            through_daemon=through_daemon,
             progress=_progress(as_json),
         )
     except (ValueError, OSError) as exc:
@@ -127,3 +178,87 @@ def disk_command(pages: int | None, page_sizes: tuple[int, ...], io_depth: int, 
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result.as_dict()) if as_json else disk_bench.format_table(result))
+
+
+@bench.command("peers")
+@click.option("--pages", type=click.IntRange(min=1), default=None,
+              help="Pages per page size and measurement, the same for every system  [default: 256 MiB worth and "
+                   "at least 256 pages; 64 MiB and at least 128 with --quick]")
+@click.option("--page-size", "page_sizes", type=_Size(), multiple=True,
+              help="Page size; repeatable  [default: 64KiB, 256KiB and 2MiB]")
+@click.option("--system", "systems", type=click.Choice(peers_bench.SYSTEM_NAMES), multiple=True,
+              help="Only these systems; repeatable  [default: all of them]")
+@click.option("--reps", type=click.IntRange(min=1), default=None,
+              help=f"Timed repetitions  [default: {peers_bench.DEFAULT_REPS}, {peers_bench.QUICK_REPS} with --quick]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--quick", is_flag=True, help="Fewer pages and repetitions.")
+def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple[str, ...], reps: int | None,
+                  as_json: bool, quick: bool) -> None:
+    """Put and get of KV pages through kvtier (daemon + shared-memory client) next to Redis
+    (as LMCache's remote store), Mooncake Store (master + real client + dummy client),
+    LMCache's server and a plain gRPC page store, all on loopback, same pages, same run.
+    Prints GB/s and kvtier / peer. Install the peers with scripts/setup_bench_peers.sh; a
+    peer that cannot run keeps its row with the reason."""
+    try:
+        with _stop_on_sigterm():
+            result = peers_bench.run_peers(page_sizes or peers_bench.PAGE_SIZES, pages=pages, quick=quick, reps=reps,
+                                           systems=systems or peers_bench.SYSTEM_NAMES, progress=_progress(as_json))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result.as_dict()) if as_json else peers_bench.format_table(result))
+
+
+@bench.command("trace")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=str(trace_bench.DEFAULT_TRACE),
+              show_default=True, help="A Mooncake-format trace (JSON lines with hash_ids).")
+@click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
+              help="Host capacity in 512-token pages; repeatable  [default: 0.5M to 20M tokens, 3 points with --quick]")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Also write a PNG plot here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--quick", is_flag=True, help="Three capacity points.")
+def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str | None, as_json: bool, quick: bool) -> None:
+    """Block hit rate against capacity on the Mooncake trace for each policy (lru, prefix),
+    one tier and host + a 10x disk tier, through the real BlockStore, with the
+    infinite-capacity hit rate and offline Belady (one tier) for reference."""
+    try:
+        result = trace_bench.run_trace(trace_path, capacities=capacities or None, quick=quick, progress=_progress(as_json))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if plot_path:
+        trace_bench.plot(result, plot_path)
+    click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_table(result))
+
+
+@bench.command("all")
+@click.option("--quick", is_flag=True, help="Every section smaller: under 10 minutes on 2 cores.")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Output directory  [default: benchmarks/results/<YYYY-MM-DD>]")
+@click.option("--section", "sections", type=click.Choice(all_bench.SECTIONS), multiple=True,
+              help="Only these sections; repeatable  [default: all]")
+@click.option("--skip", type=click.Choice(all_bench.SECTIONS), multiple=True, help="Leave out a section; repeatable.")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the disk tiers and raw files go  [default: /var/tmp]")
+def all_command(quick: bool, out: str | None, sections: tuple[str, ...], skip: tuple[str, ...],
+                directory: str | None) -> None:
+    """Every benchmark (tiers, rpc, peers, trace, e2e) in one run: results.json, results.md and
+    PNG plots in one directory, the machine described, each figure against a baseline from the
+    same run. Progress goes to stderr; a section that fails records its error and the rest runs."""
+    chosen = [s for s in (sections or all_bench.SECTIONS) if s not in skip]
+    settings = all_bench.Settings.for_mode(quick)
+    if directory:
+        settings = dataclasses.replace(settings, directory=os.path.abspath(directory))
+    command = "kvtier bench all" + (" --quick" if quick else "") + "".join(f" --section {s}" for s in sections) \
+        + "".join(f" --skip {s}" for s in skip)
+    with _stop_on_sigterm():
+        document = all_bench.run_all(out, quick=quick, sections=chosen, settings=settings, command=command,
+                                     progress=all_bench.stderr_progress())
+    failed = [name for name, entry in document["sections"].items() if not entry["ok"]]
+    click.echo(f"results in {out or all_bench.default_out()}: "
+               + ", ".join(f"{n} {'ok' if e['ok'] else 'FAILED'}" for n, e in document["sections"].items()))
+    for t in document["targets"]:
+        measured = "-" if t["measured"] is None else f"{t['measured']:.2f}"
+        click.echo(f"  {t['section']:<6} {t['what']:<40} {t['target']:<28} {measured:>7}  "
+                   f"{ {True: 'met', False: 'NOT MET', None: '-'}[t['met']] }")
+    if failed:
+        raise click.ClickException(f"section(s) failed: {', '.join(failed)} (errors in results.json)")
+

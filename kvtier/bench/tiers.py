@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from kvtier_client.layout import PageLayout
@@ -61,6 +62,10 @@ _SESSION = "bench"
 
 #: Realistic layouts for the default sizes; page_bytes is exactly the key.
 NAMED_LAYOUTS: dict[int, tuple[str, PageLayout]] = {
+    64 * KiB: (
+        "one layer of a Llama-3-8B 16-token block (a vLLM per-layer block), fp16",
+        PageLayout(layers=1, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16"),
+    ),
     256 * KiB: (
         "Llama-3.2-1B shape, 8-token blocks, fp16",
         PageLayout(layers=16, kv_heads=8, head_dim=64, block_tokens=8, dtype="float16"),
@@ -78,6 +83,10 @@ BASELINES = {
     "host get": "np.copyto",
     "disk write": "O_DIRECT pwrite",
     "disk read": "O_DIRECT pread",
+    # With through_daemon: the same host ops through a `kvtier serve` subprocess and the
+    # client's shared-memory mapping (kvtier.bench.clientpath).
+    "host put (client)": "np.copyto",
+    "host get (client)": "np.copyto",
 }
 
 def format_size(nbytes: int) -> str:
@@ -424,12 +433,14 @@ def run_tiers(
     quick: bool = False,
     directory: str | None = None,
     reps: int | None = None,
+    through_daemon: bool = False,
     progress: Callable[[str], None] = lambda message: None,
 ) -> BenchResult:
     """Run the benchmark. `pages` per page size defaults to DEFAULT_BYTES (QUICK_BYTES with
     `quick`) worth of pages; `reps` to DEFAULT_REPS (1 with `quick`). `directory` holds the
     disk tier and the raw file (in a temporary subdirectory, removed afterwards); default
-    /var/tmp, a real disk."""
+    /var/tmp, a real disk. With `through_daemon`, each page size also gets the host rows
+    through a real daemon subprocess and the client's mapping (kvtier.bench.clientpath)."""
     reps = reps if reps is not None else (1 if quick else DEFAULT_REPS)
     if (pages is not None and pages <= 0) or reps <= 0:
         raise ValueError("pages and reps must be positive")
@@ -462,6 +473,11 @@ def run_tiers(
                 tier = statistics.median(t for t, _ in seconds[op])
                 base = statistics.median(b for _, b in seconds[op])
                 results.append(OpResult(size, op, Rate(n_pages, size, tier), Rate(n_pages, size, base)))
+            if through_daemon:
+                from kvtier.bench.clientpath import run_client_host  # it imports this module
+
+                results.extend(run_client_host(size, layout, n_pages, engine, sink, reps=reps, root=Path(root),
+                                               progress=progress))
             del engine, sink
     finally:
         shutil.rmtree(root, ignore_errors=True)

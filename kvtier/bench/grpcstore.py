@@ -1,0 +1,94 @@
+"""A bare page store over plain gRPC: the peers benchmark's "KV bytes through gRPC" row.
+
+Same process setup as kvtier's daemon and the echo server (a separate Python process, a
+thread-pool gRPC server), on TCP loopback. Put carries a key and a page's bytes and the
+server keeps them in a dict; Get sends the key and gets the bytes back; Clear forgets
+everything. Messages are raw bytes (no protobuf), so what this costs is gRPC itself.
+
+    python -m kvtier.bench.grpcstore PORT
+"""
+from __future__ import annotations
+
+import signal
+import struct
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+SERVICE = "kvtier.bench.PageStore"
+MAX_MESSAGE = 64 << 20
+OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def serve(port: int) -> None:
+    pages: dict[bytes, bytes] = {}
+
+    def put(request: bytes, context) -> bytes:
+        (key_len,) = struct.unpack_from("<H", request)
+        pages[request[2 : 2 + key_len]] = request[2 + key_len :]
+        return b""
+
+    def get(request: bytes, context) -> bytes:
+        data = pages.get(request)
+        if data is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such page")
+        return data
+
+    def clear(request: bytes, context) -> bytes:
+        pages.clear()
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity)
+            for name, fn in (("Put", put), ("Get", get), ("Clear", clear))
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("serving", flush=True)
+    stop.wait()
+    server.stop(grace=0.5).wait()
+
+
+class PageStoreClient:
+    """Put / Get / Clear on a running page store; `put_many` and `get_many` keep a batch in flight."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        call = lambda name: self.channel.unary_unary(
+            f"/{SERVICE}/{name}", request_serializer=_identity, response_deserializer=_identity
+        )
+        self._put, self._get, self._clear = call("Put"), call("Get"), call("Clear")
+
+    def put_many(self, keys: list[bytes], pages: list) -> None:
+        calls = [self._put.future(b"".join((struct.pack("<H", len(k)), k, memoryview(p).cast("B"))))
+                 for k, p in zip(keys, pages)]
+        for c in calls:
+            c.result()
+
+    def get_many(self, keys: list[bytes]) -> list[bytes]:
+        calls = [self._get.future(k) for k in keys]
+        return [c.result() for c in calls]
+
+    def clear(self) -> None:
+        self._clear(b"")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
