@@ -8,97 +8,19 @@ exit 0. Any step that does not behave makes the command fail.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
-from pathlib import Path
 
 import click
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier_client import Backoff, KVTierClient, PageLayout, Stats
+
+from kvtier.child import ChildDaemon, ChildDaemonError
 
 DEMO_LAYOUT = PageLayout(layers=4, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
 DEMO_PROMPT = "You are a helpful assistant. Summarise the following document in three short sentences, please."
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
-
-
-class DemoDaemon:
-    """A `kvtier serve` child process on a private socket, cache dir and arena prefix."""
-
-    def __init__(self, workdir: Path, host_size: str, disk_size: str) -> None:
-        self.socket = workdir / "kvtier.sock"
-        self.log_path = workdir / "daemon.log"
-        args = [
-            sys.executable, "-m", "kvtier", "serve",
-            "--socket", str(self.socket),
-            "--cache-dir", str(workdir / "cache"),
-            "--host-size", host_size,
-            "--disk-size", disk_size,
-            "--arena-prefix", f"kvtier-demo-{uuid.uuid4().hex[:8]}",
-            "--log-format", "text",
-        ]
-        # The demo's defaults are embedded: a KVTIER_* variable of the caller's (a tokens
-        # file, another socket) must not leak into the throwaway daemon.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def target(self) -> str:
-        return f"unix://{self.socket}"
-
-    def log_tail(self, lines: int = 20) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_serving(self, timeout: float = START_TIMEOUT) -> None:
-        """Block until gRPC health says SERVING; fail at once if the process exits."""
-        deadline = time.monotonic() + timeout
-        channel = grpc.insecure_channel(self.target)
-        try:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.proc.poll() is not None:
-                    raise click.ClickException(
-                        f"daemon exited with code {self.proc.returncode} before serving:\n{self.log_tail()}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise click.ClickException(f"daemon not serving after {timeout:g}s:\n{self.log_tail()}")
-                try:
-                    # wait_for_ready: block on the connection instead of spinning on refusals.
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=min(0.5, remaining), wait_for_ready=True)
-                except grpc.RpcError as exc:
-                    if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                        raise
-                    continue
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                try:
-                    self.proc.wait(0.1)  # up but not yet serving; doubles as the exit check
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:
-            channel.close()
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> int:
-        """SIGTERM and wait; SIGKILL if it does not stop in time. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise click.ClickException(f"daemon ignored SIGTERM for {timeout:g}s and was killed:\n{self.log_tail()}")
-        return self.proc.returncode
 
 
 def _short(key: bytes) -> str:
@@ -187,17 +109,24 @@ def render_stats(stats: Stats) -> str:
 def demo(prompt: str, host_size: str, disk_size: str) -> None:
     """Start a temporary daemon, run one client round trip through it step by step, stop it."""
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as workdir:
-        daemon = DemoDaemon(Path(workdir), host_size, disk_size)
+        daemon = ChildDaemon(workdir, host_size=host_size, disk_size=disk_size,
+                             arena_prefix=f"kvtier-demo-{uuid.uuid4().hex[:8]}")
         click.echo(f"kvtier demo: daemon pid {daemon.proc.pid} on {daemon.target} (host {host_size}, disk {disk_size})")
         try:
-            daemon.wait_serving()
+            daemon.wait_serving(START_TIMEOUT)
             with KVTierClient(daemon.target, name="kvtier demo", backoff=Backoff(total=10.0)) as client:
                 round_trip(client, prompt)
+        except ChildDaemonError as exc:
+            daemon.stop(STOP_TIMEOUT)
+            raise click.ClickException(str(exc)) from None
         except BaseException:
-            daemon.stop()
+            daemon.stop(STOP_TIMEOUT)
             click.echo(f"daemon log (last lines):\n{daemon.log_tail()}", err=True)
             raise
-        code = daemon.stop()
+        try:
+            code = daemon.stop(STOP_TIMEOUT)
+        except ChildDaemonError as exc:
+            raise click.ClickException(str(exc)) from None
         if code != 0:
             raise click.ClickException(f"daemon exited with code {code} after SIGTERM:\n{daemon.log_tail()}")
         click.echo(f"daemon stopped by SIGTERM, exit code {code}")

@@ -36,10 +36,7 @@ import glob
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -49,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from kvtier.bench.tiers import filesystem_of, format_size, machine_info
+from kvtier.child import ChildDaemon
 
 DEFAULT_LENGTHS = (2048, 4096, 8192)
 QUICK_LENGTHS = (2048, 4096)
@@ -208,79 +206,14 @@ class E2EResult:
 
 
 # -- the daemon -------------------------------------------------------------------
-class _Daemon:
-    """A `kvtier serve` child on a private socket, cache dir and arena prefix."""
-
-    def __init__(self, workdir: str, host_bytes: int, disk_bytes: int) -> None:
-        self.sockdir = tempfile.mkdtemp(prefix="kvtier-e2e-")  # short: a socket path has ~100 bytes
-        self.socket = os.path.join(self.sockdir, "kvtier.sock")
-        self.cache_dir = os.path.join(workdir, "cache")
-        self.log_path = os.path.join(workdir, "daemon.log")
-        args = [
-            sys.executable, "-m", "kvtier", "serve", "--socket", self.socket, "--cache-dir", self.cache_dir,
-            "--host-size", str(host_bytes), "--disk-size", str(disk_bytes), "--write-back",
-            "--arena-prefix", f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}", "--log-format", "text",
-            "--session-timeout", "30s",
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def target(self) -> str:
-        return f"unix://{self.socket}"
-
-    def log_tail(self, lines: int = 20) -> str:
+def _drop_page_cache(cache_dir: str) -> None:
+    """Drop the disk tier's clean pages from the page cache (a no-op where it uses O_DIRECT)."""
+    for path in glob.glob(os.path.join(cache_dir, "**", "slab.bin"), recursive=True):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            with open(self.log_path, errors="replace") as f:
-                return "\n".join(f.read().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def wait_serving(self) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + START_TIMEOUT
-        channel = grpc.insecure_channel(self.target)
-        try:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvtier daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvtier daemon not serving after {START_TIMEOUT:g}s:\n{self.log_tail()}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5, wait_for_ready=True)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
-            channel.close()
-
-    def drop_page_cache(self) -> None:
-        """Drop the disk tier's clean pages from the page cache (a no-op where it uses O_DIRECT)."""
-        for path in glob.glob(os.path.join(self.cache_dir, "**", "slab.bin"), recursive=True):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-    def stop(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(STOP_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                    raise RuntimeError(f"kvtier daemon ignored SIGTERM for {STOP_TIMEOUT:g}s:\n{self.log_tail()}")
-        finally:
-            shutil.rmtree(self.sockdir, ignore_errors=True)
+            os.close(fd)
 
 
 def _direct_io_works(directory: str) -> bool:
@@ -400,9 +333,12 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
     planner_name = "LoadEverything" if load_all else "Planner (measured prefill rate and tier bandwidths)"
     try:
         direct = _direct_io_works(root)
-        daemon = _Daemon(root, host_bytes, disk_bytes)
+        daemon = ChildDaemon(
+            root, host_size=host_bytes, disk_size=disk_bytes, arena_prefix=f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            extra=("--write-back", "--session-timeout", "30s"),
+        )
         try:
-            daemon.wait_serving()
+            daemon.wait_serving(START_TIMEOUT)
             progress(f"daemon serving at {daemon.socket}: host tier {format_size(host_bytes)}, "
                      f"disk tier {format_size(disk_bytes)} under {parent}")
             with KVTierClient(daemon.target) as kv, torch.no_grad():
@@ -423,7 +359,7 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
                     ids = torch.randint(0, spec.vocab_size, (1, n), generator=generator)
                     rows.append(_one_length(n, ids, net, cache, kv, daemon, reps, progress))
         finally:
-            daemon.stop()
+            daemon.stop(STOP_TIMEOUT)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     machine = machine_info()
@@ -440,7 +376,7 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
 
 
 def _one_length(
-    n: int, ids, net, cache, kv, daemon: _Daemon, reps: int, progress: Callable[[str], None]
+    n: int, ids, net, cache, kv, daemon: ChildDaemon, reps: int, progress: Callable[[str], None]
 ) -> LengthResult:
     """Full prefill, store, then host and disk restores of one prompt (`cache`: the HFPrefixCache)."""
     from kvtier_client import Tier
@@ -494,7 +430,7 @@ def _one_length(
         with kv.borrow(kv.pool.capacity(Tier.HOST)):  # evicts (demotes) every cached page
             pass
         time.sleep(DISK_SETTLE_S)  # pages demoted a while ago, not a read racing their writes
-        daemon.drop_page_cache()
+        _drop_page_cache(daemon.cache_dir)
         disk_runs.append(restored_run(Tier.DISK))
     return LengthResult(n, full, _path_result(host_runs), _path_result(disk_runs), stored.stored_blocks, stored.seconds)
 
