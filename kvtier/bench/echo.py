@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -16,18 +17,20 @@ import grpc
 METHOD = "/kvtier.bench.Echo/Echo"
 
 
-def _identity(data: bytes) -> bytes:
+def identity(data: bytes) -> bytes:
     return data
 
 
-def serve(socket_path: str) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+def serve_bytes(service: str, methods: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]], address: str,
+                options: Sequence[tuple[str, int]] = ()) -> None:
+    """Serve unary methods on raw bytes (no protobuf) from a 32-thread pool, as the daemon
+    does, until SIGTERM. Prints "serving" once listening. Shared by the benchmarks' baselines."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=list(options))
     handler = grpc.method_handlers_generic_handler(
-        "kvtier.bench.Echo",
-        {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request, _identity, _identity)},
+        service, {name: grpc.unary_unary_rpc_method_handler(fn, identity, identity) for name, fn in methods.items()}
     )
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"unix:{socket_path}")
+    server.add_insecure_port(address)
     server.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -36,8 +39,12 @@ def serve(socket_path: str) -> None:
     server.stop(grace=0.5).wait()
 
 
+def serve(socket_path: str) -> None:
+    serve_bytes("kvtier.bench.Echo", {"Echo": lambda request, context: request}, f"unix:{socket_path}")
+
+
 def echo_stub(channel: grpc.Channel):
-    return channel.unary_unary(METHOD, request_serializer=_identity, response_deserializer=_identity)
+    return channel.unary_unary(METHOD, request_serializer=identity, response_deserializer=identity)
 
 
 if __name__ == "__main__":

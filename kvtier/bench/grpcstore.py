@@ -9,21 +9,16 @@ everything. Messages are raw bytes (no protobuf), so what this costs is gRPC its
 """
 from __future__ import annotations
 
-import signal
 import struct
 import sys
-import threading
-from concurrent import futures
 
 import grpc
+
+from kvtier.bench.echo import identity, serve_bytes
 
 SERVICE = "kvtier.bench.PageStore"
 MAX_MESSAGE = 64 << 20
 OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 def serve(port: int) -> None:
@@ -44,22 +39,7 @@ def serve(port: int) -> None:
         pages.clear()
         return b""
 
-    handler = grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity)
-            for name, fn in (("Put", put), ("Get", get), ("Clear", clear))
-        },
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print("serving", flush=True)
-    stop.wait()
-    server.stop(grace=0.5).wait()
+    serve_bytes(SERVICE, {"Put": put, "Get": get, "Clear": clear}, f"127.0.0.1:{port}", OPTIONS)
 
 
 class PageStoreClient:
@@ -69,7 +49,7 @@ class PageStoreClient:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
         grpc.channel_ready_future(self.channel).result(timeout=30)
         call = lambda name: self.channel.unary_unary(
-            f"/{SERVICE}/{name}", request_serializer=_identity, response_deserializer=_identity
+            f"/{SERVICE}/{name}", request_serializer=identity, response_deserializer=identity
         )
         self._put, self._get, self._clear = call("Put"), call("Get"), call("Clear")
 
