@@ -19,6 +19,7 @@ from kvtier.mechanism.disk import DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, Observer
 from kvtier.mechanism.mover import ArenaMover
+from kvtier.policy import POLICIES, PolicyName
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Pool:
                 disk_pages=disk_pages,
                 device_pages=device_pages,
                 mover=ArenaMover(self.host, self.disk, self.reader, self.copies),
-                policy=config.policy,
+                policy=POLICIES[PolicyName(config.policy)],
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),

@@ -18,7 +18,7 @@ if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/kvtier-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD:$PWD/client:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PYTHON" -c 'import sys; from kvtier.mechanism.kernels import is_available; sys.exit(0 if is_available() else 1)'; then
+if ! "$PYTHON" -c 'import sys; from kvtier_client.kernels import is_available; sys.exit(0 if is_available() else 1)'; then
   echo "gpu_check: no GPU here (needs CuPy importable and a CUDA device); nothing run" >&2
   exit 2
 fi
@@ -26,5 +26,5 @@ fi
 "$PYTHON" -c 'import cupy; assert int(cupy.arange(3).sum()) == 3' || { echo "gpu_check: CuPy cannot compile kernels (NVRTC missing?)" >&2; exit 1; }
 # -o addopts= : the project's defaults deselect gpu tests and need pytest-timeout.
 "$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rs \
-  tests/mechanism/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@"
+  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@"
 "$PYTHON" -m kvtier.bench.gpu

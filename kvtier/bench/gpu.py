@@ -24,7 +24,7 @@ import uuid
 
 import numpy as np
 
-from kvtier.mechanism import kernels
+from kvtier_client import kernels
 
 PAGE_SIZES = (64 * 1024, 256 * 1024, 2 * 1024 * 1024)
 TOTAL_BYTES = 1 << 30

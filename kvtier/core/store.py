@@ -51,7 +51,7 @@ from kvtier.mechanism.device import Transfer
 from kvtier.mechanism.disk import DiskRecord
 from kvtier.mechanism.io import LoadJob, LoadKind
 from kvtier.mechanism.mover import PageMover
-from kvtier.policy import EvictionPolicy, Ref, make_policy
+from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
 
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE_BYTES = 255
@@ -200,7 +200,7 @@ class BlockStore:
         mover: PageMover,
         disk_pages: int = 0,
         device_pages: int = 0,
-        policy: str = "lru",
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
         write_through: bool = False,
         prefetch_hold: float = 10.0,
         recovered: Iterable[DiskRecord] = (),
@@ -216,8 +216,8 @@ class BlockStore:
         self.sessions: dict[str, set[int]] = {}
         self.tiers: dict[Tier, TierState] = {}
         if device_pages > 0:
-            self.tiers[Tier.DEVICE] = TierState(Tier.DEVICE, SlotAllocator(device_pages), make_policy(policy))
-        self.tiers[Tier.HOST] = TierState(Tier.HOST, SlotAllocator(host_pages), make_policy(policy))
+            self.tiers[Tier.DEVICE] = TierState(Tier.DEVICE, SlotAllocator(device_pages), policy())
+        self.tiers[Tier.HOST] = TierState(Tier.HOST, SlotAllocator(host_pages), policy())
         self._host_owner: list[str | None] = [None] * host_pages  # namespace whose data a host slot last held
         self._next_lease = 1
         self._lookup_blocks = 0
@@ -230,9 +230,9 @@ class BlockStore:
         if disk_pages > 0:
             self._recover_disk(disk_pages, policy, recovered)
 
-    def _recover_disk(self, pages: int, policy: str, records: Iterable[DiskRecord]) -> None:
+    def _recover_disk(self, pages: int, policy: Callable[[], EvictionPolicy], records: Iterable[DiskRecord]) -> None:
         ordered = sorted(records, key=lambda r: r.seq)
-        state = TierState(Tier.DISK, SlotAllocator(pages, used=[r.slot for r in ordered]), make_policy(policy))
+        state = TierState(Tier.DISK, SlotAllocator(pages, used=[r.slot for r in ordered]), policy())
         self.tiers[Tier.DISK] = state
         for record in ordered:
             ref = (record.namespace, record.key)

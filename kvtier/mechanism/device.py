@@ -20,7 +20,7 @@ that moves pages between them. Byte movement only; the core decides what moves.
                   lock that the demoting caller holds).
 
 CuPy is imported only here and only when a device tier is configured: a daemon without a GPU
-never imports it (kernels.is_available() says whether one can be built).
+never imports it (cuda_device_count() says whether one can be built).
 """
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def _cupy():
     import cupy
 
     return cupy
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use: 0 without CuPy, a driver or a GPU."""
+    try:
+        cupy = _cupy()
+    except ImportError:
+        return 0
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:  # no driver, or no device
+        return 0
 
 
 class DeviceNoSpace(RuntimeError):

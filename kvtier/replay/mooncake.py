@@ -15,6 +15,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.store import BlockStore
+from kvtier.policy import POLICIES, PolicyName
 from kvtier.mechanism.device import Transfer
 from kvtier.mechanism.disk import DiskRecord
 from kvtier.mechanism.io import LoadJob
@@ -133,7 +134,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
     """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
     engine would), so they climb disk -> host -> device and fall back the same way."""
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
-                       mover=BookkeepingMover(), policy=policy, prefetch_hold=0.0)
+                       mover=BookkeepingMover(), policy=POLICIES[PolicyName(policy)], prefetch_hold=0.0)
     read_into = Tier.DEVICE if device_pages else Tier.HOST
     n_requests = 0
     for ids in requests:

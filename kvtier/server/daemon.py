@@ -35,7 +35,7 @@ import kvtier
 from kvtier.core.store import StoreStats, check_namespace
 from kvtier.mechanism.disk import DiskLayoutMismatch
 from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace
-from kvtier.mechanism.device import DeviceNoSpace
+from kvtier.mechanism.device import DeviceNoSpace, cuda_device_count
 from kvtier.pool import Pool, PoolConfig
 from kvtier.server.config import ConfigError, DaemonConfig, load_tokens
 from kvtier.server.metrics import Metrics
@@ -274,16 +274,14 @@ def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
 
 
 def _check_device(cfg: DaemonConfig) -> None:
-    from kvtier.mechanism import kernels
-
-    if not kernels.is_available():
+    count = cuda_device_count()
+    if not count:
         raise ConfigError(
             "device_size needs a CUDA GPU and CuPy (pip install 'kvtier[gpu]'); none found: "
             "set device_size 0 for host and disk tiers only"
         )
     import cupy
 
-    count = cupy.cuda.runtime.getDeviceCount()
     if cfg.gpu >= count:
         raise ConfigError(f"gpu {cfg.gpu} does not exist: this machine has {count} CUDA device(s) (0..{count - 1})")
     with cupy.cuda.Device(cfg.gpu):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from kvtier_client.layout import PageLayout
 
-from kvtier.mechanism import kernels
+from kvtier_client import kernels
 
 pytestmark = [
     pytest.mark.gpu,

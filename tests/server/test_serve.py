@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from kvtier.mechanism import kernels
+from kvtier_client import kernels
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from rpc import run_kvtier, tier_stats
 

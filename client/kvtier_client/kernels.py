@@ -17,23 +17,22 @@ kv_heads * head_dim * itemsize`` bytes, so a pair is ``2 * layers`` row copies::
                               \\______ row_bytes ______/       ^ (l * 2 + kv) * row_bytes
 
 The ``*_cpu`` functions work on numpy arrays and are the oracle the GPU kernels are tested
-against (tests/mechanism/test_kernels_gpu.py); they are plain vectorised numpy. The
+against (tests/client/test_kernels_gpu.py); they are plain vectorised numpy. The
 ``*_gpu`` functions take CuPy arrays and launch the kernels in ``cuda/`` on the current
 stream, without synchronising. Both sides check their arguments the same way and raise
 ValueError for a caller's mistake (an index out of range, a destination written twice,
 pages that do not match the layout), before anything is written.
 
-The kernels are CUDA C sources in the repository's top-level ``cuda/`` directory, part of
-the source tree, compiled at run time by CuPy's RawModule (no build step). A checkout or an
-editable install reads them from there; a wheel ships them as data files under
-``<prefix>/share/kvtier/cuda`` (pyproject.toml, ``[tool.setuptools.data-files]``), which
-is the second place looked. CuPy is imported only inside the GPU functions: the daemon
-imports this module and runs without it.
+This is the engine's side of the data plane, so it lives in the client: an engine (or its
+connector) converts between its own KV tensors and the pages it borrowed or acquired. The
+daemon never calls it. The kernels are CUDA C sources shipped inside this package
+(``kvtier_client/cuda/*.cu``, package data), compiled at run time by CuPy's RawModule (no
+build step). CuPy is imported only inside the GPU functions: importing this module needs
+numpy alone.
 """
 from __future__ import annotations
 
 import functools
-import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,22 +46,16 @@ BLOCKS_PER_SM = 32
 #: Bytes moved by one vector access in the kernels.
 VECTOR_BYTES = 16
 
-_CUDA_DIR_CANDIDATES = (
-    Path(__file__).resolve().parents[2] / "cuda",  # source tree / editable install
-    Path(sysconfig.get_path("data")) / "share" / "kvtier" / "cuda",  # installed wheel
-)
+_CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 
 
 def cuda_source_dir() -> Path:
-    """The directory holding the kernel sources (see the module docstring for where)."""
-    for candidate in _CUDA_DIR_CANDIDATES:
-        if (candidate / "page_copy.cu").is_file():
-            return candidate
-    looked = ", ".join(str(c) for c in _CUDA_DIR_CANDIDATES)
-    raise FileNotFoundError(
-        f"kvtier CUDA kernel sources not found (looked in {looked}); "
-        "reinstall kvtier or run from a checkout that has cuda/"
-    )
+    """The directory holding the kernel sources (package data of kvtier_client)."""
+    if not (_CUDA_DIR / "page_copy.cu").is_file():
+        raise FileNotFoundError(
+            f"kvtier CUDA kernel sources not found in {_CUDA_DIR}; reinstall kvtier-client (it ships cuda/*.cu)"
+        )
+    return _CUDA_DIR
 
 
 def is_available() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.mechanism.kernels import copy_pages_cpu, gather_cpu, scatter_cpu
+from kvtier_client.kernels import copy_pages_cpu, gather_cpu, scatter_cpu
 
 # (layers, block_tokens, kv_heads, head_dim): vector-friendly, odd sizes, one layer.
 SHAPES = [(2, 16, 4, 64), (3, 5, 3, 7), (1, 1, 1, 16)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.mechanism import kernels
+from kvtier_client import kernels
 
 pytestmark = [
     pytest.mark.gpu,
