@@ -40,7 +40,7 @@ import numpy as np
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.core.store import WriteLease
+from kvtier.core import WriteGrant
 from kvtier.mechanism.directio import open_direct
 from kvtier.pool import Pool, PoolConfig
 
@@ -296,7 +296,7 @@ class _Rep:
         )
         self.store = self.pool.store
         self.host = self.pool.host
-        self._write_leases: list[WriteLease] = []
+        self._write_leases: list[WriteGrant] = []
         self.raw_path = os.path.join(workdir, "raw.bin")
         self.raw_fd = -1
         try:

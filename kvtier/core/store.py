@@ -108,7 +108,7 @@ class TierState:
 
 
 @dataclass
-class Lease:
+class LeaseRecord:
     lease_id: int
     session: str
     namespace: str
@@ -120,7 +120,7 @@ class Lease:
 
 
 @dataclass(frozen=True)
-class LookupResult:
+class PrefixMatch:
     """`hit_blocks` leading keys are cached; `tiers[i]` is the fastest tier holding key i."""
 
     hit_blocks: int
@@ -128,14 +128,14 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
-class WriteLease:
+class WriteGrant:
     lease_id: int
     tier: Tier
     slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class CommitResult:
+class CommitOutcome:
     """`duplicates` are indices of keys that were already cached: the cached page was kept
     and the lease's page for that key was freed. The lease has ended."""
 
@@ -145,7 +145,7 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
-class ReadLease:
+class ReadGrant:
     lease_id: int
     tier: Tier
     slots: tuple[int, ...]  # the ready prefix: pages pinned and readable
@@ -155,7 +155,7 @@ class ReadLease:
 
 
 @dataclass(frozen=True)
-class TierStats:
+class TierUsage:
     tier: Tier
     capacity: int
     free: int
@@ -166,8 +166,8 @@ class TierStats:
 
 
 @dataclass(frozen=True)
-class StoreStats:
-    tiers: tuple[TierStats, ...]
+class StoreUsage:
+    tiers: tuple[TierUsage, ...]
     lookup_blocks: int
     miss_blocks: int
     leases: int
@@ -176,7 +176,7 @@ class StoreStats:
     ready_on_arrival: int = 0  # of those, already in the target tier and loaded
     loading: int = 0  # host pages whose load is in flight or queued
 
-    def tier(self, tier: Tier) -> TierStats | None:
+    def tier(self, tier: Tier) -> TierUsage | None:
         return next((t for t in self.tiers if t.tier == tier), None)
 
 
@@ -212,7 +212,7 @@ class BlockStore:
         self.write_through = write_through
         self.prefetch_hold = prefetch_hold
         self.blocks: dict[Ref, Block] = {}
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, LeaseRecord] = {}
         self.sessions: dict[str, set[int]] = {}
         self.tiers: dict[Tier, TierState] = {}
         if device_pages > 0:
@@ -244,7 +244,7 @@ class BlockStore:
 
     # -- queries --------------------------------------------------------------
     @_locked
-    def lookup(self, namespace: str, keys: list[bytes]) -> LookupResult:
+    def lookup(self, namespace: str, keys: list[bytes]) -> PrefixMatch:
         """The longest cached prefix of `keys` and the fastest tier of each of its blocks."""
         check_namespace(namespace)
         check_keys(keys)
@@ -258,14 +258,14 @@ class BlockStore:
             self.tiers[tier].counters.hits += 1
         self._lookup_blocks += len(keys)
         self._miss_blocks += len(keys) - len(tiers)
-        return LookupResult(len(tiers), tuple(tiers))
+        return PrefixMatch(len(tiers), tuple(tiers))
 
     @_locked
-    def stats(self) -> StoreStats:
+    def stats(self) -> StoreUsage:
         tiers = []
         for state in self.tiers.values():
             tiers.append(
-                TierStats(
+                TierUsage(
                     state.tier,
                     state.slots.capacity,
                     state.slots.free_count,
@@ -275,14 +275,14 @@ class BlockStore:
                     TierCounters(**vars(state.counters)),
                 )
             )
-        return StoreStats(
+        return StoreUsage(
             tuple(tiers), self._lookup_blocks, self._miss_blocks, len(self.leases), len(self.sessions),
             self._acquired_pages, self._ready_on_arrival, self._loading,
         )
 
     # -- write path -----------------------------------------------------------
     @_locked
-    def borrow(self, session: str, namespace: str, n: int) -> WriteLease:
+    def borrow(self, session: str, namespace: str, n: int) -> WriteGrant:
         """A write lease on n free host pages, evicting or demoting cached pages if needed."""
         check_namespace(namespace)
         host = self.tiers[Tier.HOST]
@@ -300,10 +300,10 @@ class BlockStore:
             self._host_owner[slot] = namespace
         host.writing.update(slots)
         lease = self._open_lease(session, namespace, LeaseKind.WRITE, Tier.HOST, slots)
-        return WriteLease(lease.lease_id, Tier.HOST, tuple(slots))
+        return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots))
 
     @_locked
-    def commit(self, session: str, lease_id: int, keys: list[bytes], parent: bytes | None = None) -> CommitResult:
+    def commit(self, session: str, lease_id: int, keys: list[bytes], parent: bytes | None = None) -> CommitOutcome:
         """Publish a write lease's pages: page i becomes the cached copy of keys[i].
 
         `parent` is the key of the block before keys[0] in its prefix, if there is one. Pages
@@ -350,13 +350,13 @@ class BlockStore:
         self._close_lease(lease)
         if self.write_through and Tier.DISK in self.tiers:
             self._copy_to_disk(fresh)
-        return CommitResult(lease_id, len(fresh), tuple(duplicates))
+        return CommitOutcome(lease_id, len(fresh), tuple(duplicates))
 
     # -- read path ------------------------------------------------------------
     @_locked
     def acquire(
         self, session: str, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, timeout: float | None = None
-    ) -> ReadLease:
+    ) -> ReadGrant:
         """A read lease pinning the ready prefix of `keys` in `tier`, loading disk-only pages.
 
         `timeout` is the wait policy: None waits for every page (and raises NotFound if a
@@ -423,7 +423,7 @@ class BlockStore:
         slots = [b.copies[tier].slot for b in blocks[:ready]]
         lease = self._open_lease(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])
         lease.transfer = transfer
-        return ReadLease(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
+        return ReadGrant(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
 
     def _wait_loaded(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,
@@ -739,6 +739,11 @@ class BlockStore:
         self._cancel_loads(session)
         return len(ids)
 
+    @_locked
+    def session_leases(self, session: str) -> int:
+        """How many leases a session holds in this store (Heartbeat reports it)."""
+        return len(self.sessions.get(session, ()))
+
     @contextmanager
     def lease_slots(self, session: str, lease_id: int, kind: LeaseKind) -> Iterator[tuple[int, ...]]:
         """Hold the store while the caller touches a lease's pages (the gRPC slow path),
@@ -753,7 +758,7 @@ class BlockStore:
                 )
             yield tuple(lease.slots)
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: LeaseRecord) -> None:
         state = self.tiers[lease.tier]
         if lease.kind is LeaseKind.WRITE:
             for slot in lease.slots:
@@ -764,21 +769,21 @@ class BlockStore:
                 self._unpin(self.blocks[ref], lease.tier)
         self._close_lease(lease)
 
-    def _open_lease(self, session, namespace, kind, tier, slots, refs=()) -> Lease:
-        lease = Lease(self._next_lease, session, namespace, kind, tier, list(slots), list(refs))
+    def _open_lease(self, session, namespace, kind, tier, slots, refs=()) -> LeaseRecord:
+        lease = LeaseRecord(self._next_lease, session, namespace, kind, tier, list(slots), list(refs))
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
         self.sessions.setdefault(session, set()).add(lease.lease_id)
         return lease
 
-    def _close_lease(self, lease: Lease) -> None:
+    def _close_lease(self, lease: LeaseRecord) -> None:
         del self.leases[lease.lease_id]
         ids = self.sessions[lease.session]
         ids.discard(lease.lease_id)
         if not ids:
             del self.sessions[lease.session]
 
-    def _get_lease(self, session: str, lease_id: int, kind: LeaseKind | None) -> Lease:
+    def _get_lease(self, session: str, lease_id: int, kind: LeaseKind | None) -> LeaseRecord:
         lease = self.leases.get(lease_id)
         if lease is None:
             if isinstance(lease_id, int) and 0 < lease_id < self._next_lease:

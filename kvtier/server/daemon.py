@@ -32,7 +32,7 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.wire import layout_from_proto
 
 import kvtier
-from kvtier.core.store import StoreStats, check_namespace
+from kvtier.core import StoreUsage, check_namespace
 from kvtier.mechanism.disk import DiskLayoutMismatch
 from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace
 from kvtier.mechanism.device import DeviceNoSpace, cuda_device_count
@@ -154,7 +154,7 @@ class Daemon:
     def _session_ended(self, session: Session, released: int, reason: str) -> None:
         self.lease_ended()
 
-    def snapshot(self) -> tuple[list[tuple[str, StoreStats]], int]:
+    def snapshot(self) -> tuple[list[tuple[str, StoreUsage]], int]:
         with self._pools_lock:
             pools = list(self.pools.items())
         return [(pool_id, pool.store.stats()) for pool_id, pool in pools], self.sessions.count()

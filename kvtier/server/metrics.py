@@ -10,11 +10,11 @@ from kvtier_client.tiers import Tier
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.core.store import StoreStats
+from kvtier.core import StoreUsage
 from kvtier.mechanism.io import IOStats, LoadKind
 
 # (pool id, stats) for each pool, plus the session count.
-Snapshot = Callable[[], tuple[list[tuple[str, StoreStats]], int]]
+Snapshot = Callable[[], tuple[list[tuple[str, StoreUsage]], int]]
 # (pool id, reader stats, bytes read, bytes written) for each pool with a disk tier.
 DiskSnapshot = Callable[[], list[tuple[str, IOStats, int, int]]]
 # (pool id, tier, measured read bytes per second) for each pool and tier with a figure.

@@ -14,7 +14,7 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_to_proto, tier_to_proto
 
-from kvtier.core.store import LeaseKind, StoreStats
+from kvtier.core import LeaseKind, StoreUsage
 from kvtier.mechanism.bandwidth import Throughput
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _wait_timeout(request: pb.AcquireRequest) -> float | None:
     raise InvalidArgument(f"unknown wait policy {request.wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
-def tier_stats_pb(stats: StoreStats, bandwidth: Mapping[Tier, Throughput]) -> list[pb.TierStats]:
+def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> list[pb.TierStats]:
     return [
         pb.TierStats(
             tier=tier_to_proto(t.tier), capacity_pages=t.capacity, free_pages=t.free, writing_pages=t.writing,
@@ -117,7 +117,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Heartbeat(self, request, context) -> pb.HeartbeatResponse:
         session = self.daemon.sessions.get(request.session_id)
-        return pb.HeartbeatResponse(leases=len(session.pool.store.sessions.get(session.session_id, ())))
+        return pb.HeartbeatResponse(leases=session.pool.store.session_leases(session.session_id))
 
     @_rpc
     def CloseSession(self, request, context) -> pb.CloseSessionResponse:

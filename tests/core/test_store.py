@@ -14,7 +14,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.shm import SHM_DIR
 from kvtier_client.tiers import Tier
 
-from kvtier.core.store import LookupResult
+from kvtier.core.store import PrefixMatch
 
 from store_helpers import check, pattern, read_page, snapshot, tier_of, write_page
 
@@ -72,7 +72,7 @@ def test_borrow_commit_lookup_acquire_release(make_pool):
     assert (host.free, host.writing, host.cached, host.pinned) == (1, 0, 3, 0)
     assert store.stats().leases == 0 and store.stats().sessions == 0
     # Lookup: the longest cached prefix, stopping at the first miss.
-    assert store.lookup(NS, k) == LookupResult(3, (Tier.HOST,) * 3)
+    assert store.lookup(NS, k) == PrefixMatch(3, (Tier.HOST,) * 3)
     assert store.lookup(NS, [k[0], b"missing", k[2]]).hit_blocks == 1
     assert store.lookup(NS, [b"missing"] + k).hit_blocks == 0
     stats = store.stats()
