@@ -19,8 +19,9 @@ from collections.abc import Iterable
 
 from kvtier_client.tiers import Tier
 
-from kvtier.core.store import BlockStore, LeaseKind
-from kvtier.mechanism.disk import DiskRecord
+from kvtier.core.leases import LeaseKind
+from kvtier.core.ports import DiskRecord
+from kvtier.core.store import BlockStore
 
 
 class InvariantViolation(AssertionError):
@@ -74,7 +75,7 @@ def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | Non
             if copy.loading and tier == Tier.DEVICE:
                 # Lent at once: the engine waits on the lease's transfer, not the daemon.
                 source = block.copies.get(Tier.HOST)
-                _require(source is not None and source.waiters > 0, f"{ref} is loading into device without a protected host copy")
+                _require(source is not None and source.readers > 0, f"{ref} is loading into device without a protected host copy")
             elif copy.loading:
                 _require(tier == Tier.HOST and Tier.DISK in block.copies, f"{ref} is loading into {tier.label} without a disk copy to read")
                 _require(copy.pins == 0, f"{tier.label} copy of {ref} is leased while its bytes are still loading")

@@ -14,12 +14,13 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 
 import xxhash
 from kvtier_client.layout import PageLayout
 
+from kvtier.core.ports import DiskRecord
 from kvtier.mechanism.directio import open_direct
 
 log = logging.getLogger(__name__)
@@ -29,19 +30,6 @@ _VALUE = struct.Struct("<IIQQ12sB")  # slot, length, checksum, seq, layout_id, l
 
 class DiskLayoutMismatch(RuntimeError):
     """The directory holds pages of another layout: an operator problem, not a client's."""
-
-
-@dataclass(frozen=True)
-class DiskRecord:
-    """One page's index entry. `checksum` is xxh3-64 of the page's `length` bytes."""
-
-    namespace: str
-    key: bytes
-    slot: int
-    parent: bytes | None = None
-    length: int = 0
-    checksum: int = 0
-    seq: int = 0
 
 
 def _encode_key(namespace: str, key: bytes) -> bytes:

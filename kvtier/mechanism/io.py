@@ -19,34 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 
+from kvtier.core.ports import LoadJob, LoadKind
 from kvtier.mechanism.bandwidth import Throughput
-from kvtier.mechanism.disk import DiskRecord, DiskTier
+from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 
 log = logging.getLogger(__name__)
-
-
-class LoadKind(IntEnum):
-    """Lower runs first."""
-
-    ACQUIRE = 0
-    PREFETCH = 1
-
-
-@dataclass(eq=False)
-class LoadJob:
-    record: DiskRecord
-    host_slot: int
-    kind: LoadKind
-    session: str
-    on_done: Callable[["LoadJob", bool], None]
-    priority: int = 0  # among prefetches: higher first
-    enqueued: float = field(default_factory=time.monotonic)
-    started: bool = False
-    cancelled: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,59 +1,24 @@
 """Page movement between the device arena, the host arena and the disk tier, by slot
 number. No decisions.
 
-The core calls a `PageMover`; this is the one that moves real bytes. Trace replay uses one
-that only keeps the books (kvtier.replay), which is why the core depends on the protocol.
+`ArenaMover` implements the core's `PageMover` port (kvtier.core.ports) with real bytes.
 Disk loads and promotions to the device are asynchronous (`on_done` reports the result);
 disk stores and demotions from the device are synchronous batches.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
+from kvtier.core.ports import DiskRecord, LoadJob
 from kvtier.mechanism.device import CopyEngine, Transfer
-from kvtier.mechanism.disk import DiskRecord, DiskTier
+from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
-from kvtier.mechanism.io import DiskReader, LoadJob
-
-
-class PageMover(Protocol):
-    def clear_host(self, slot: int) -> None:
-        """Zero a host slot before it goes to a writer of another namespace."""
-
-    def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
-        """Copy host slots to the disk slots named in the records; return the stored records."""
-
-    def load(self, job: LoadJob) -> None:
-        """Start copying a disk page into a host slot; `job.on_done(job, ok)` reports the
-        result, ok False if the page failed its checksum (drop it). May call back at once."""
-
-    def prefetch_room(self) -> int:
-        """How many prefetch loads can be queued now (back-pressure)."""
-
-    def boost(self, job: LoadJob) -> None:
-        """Run a queued prefetch load with Acquire priority."""
-
-    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
-        """Withdraw a session's (None: every session's) queued loads that `cancellable`
-        allows; returns them."""
-
-    def forget(self, records: Iterable[DiskRecord]) -> None:
-        """Remove disk pages from the persistent index."""
-
-    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
-        """Start copying (host slot, device slot) pairs; `on_done(transfer, ok)` when they land."""
-
-    def marker(self) -> Transfer:
-        """A transfer that completes after every promotion started so far."""
-
-    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy (device slot, host slot) pairs and return when the bytes are in host memory."""
+from kvtier.mechanism.io import DiskReader
 
 
 class ArenaMover:
-    """Moves bytes between a HostArena and (optionally) a DiskTier with its DiskReader and a
-    device arena with its CopyEngine."""
+    """The core's PageMover: bytes between a HostArena and, where configured, a DiskTier
+    (with its DiskReader) and a device arena (with its CopyEngine)."""
 
     def __init__(self, host: HostArena, disk: DiskTier | None, reader: DiskReader | None,
                  copies: CopyEngine | None = None) -> None:

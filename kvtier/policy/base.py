@@ -1,7 +1,7 @@
 """The eviction policy interface. One policy object per tier.
 
 The core tells the policy what became cached (`add`), what was used (`touch`) and what
-left the tier (`remove`); it asks `victims(n, pinned)` when it needs n slots. `victims`
+left the tier (`remove`); it asks `victims(n, protected)` when it needs n slots. `victims`
 only proposes: it returns up to n references in eviction order and changes nothing, so a
 caller that gets fewer than it needs can refuse the whole request with no state changed
 (vLLM's atomic `evict(n)`). The core calls `remove` for each victim it really evicts.
@@ -28,7 +28,7 @@ class EvictionPolicy(Protocol):
     def remove(self, ref: Ref) -> None:
         """`ref` left this tier."""
 
-    def victims(self, n: int, pinned: Callable[[Ref], bool]) -> list[Ref]:
+    def victims(self, n: int, protected: Callable[[Ref], bool]) -> list[Ref]:
         """Up to n evictable references in eviction order; fewer means no more can go."""
 
     def __len__(self) -> int: ...

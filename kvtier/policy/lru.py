@@ -24,12 +24,12 @@ class LRUPolicy:
     def remove(self, ref: Ref) -> None:
         del self._order[ref]
 
-    def victims(self, n: int, pinned: Callable[[Ref], bool]) -> list[Ref]:
+    def victims(self, n: int, protected: Callable[[Ref], bool]) -> list[Ref]:
         chosen: list[Ref] = []
         if n <= 0:
             return chosen
         for ref in self._order:
-            if not pinned(ref):
+            if not protected(ref):
                 chosen.append(ref)
                 if len(chosen) == n:
                     break

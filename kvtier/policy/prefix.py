@@ -73,7 +73,7 @@ class PrefixLRUPolicy:
         if parent in self._last_use:  # the parent is now a leaf here
             heapq.heappush(self._leaves, (self._last_use[parent], parent))
 
-    def victims(self, n: int, pinned: Callable[[Ref], bool]) -> list[Ref]:
+    def victims(self, n: int, protected: Callable[[Ref], bool]) -> list[Ref]:
         chosen: list[Ref] = []
         keep: list[tuple[int, Ref]] = []  # valid leaf entries popped here, pushed back at the end
         seen: set[Ref] = set()
@@ -87,7 +87,7 @@ class PrefixLRUPolicy:
                 continue  # not a leaf any more; pushed again when its last child leaves
             seen.add(ref)
             keep.append(entry)
-            if pinned(ref):
+            if protected(ref):
                 continue
             chosen.append(ref)
             parent = self._parent[ref]

@@ -8,62 +8,21 @@ cached block, which also promotes it from disk; borrow+commit for a new one).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.core.store import BlockStore
+from kvtier.core import BlockStore
+from kvtier.core.bookkeeping import BookkeepingMover
 from kvtier.policy import POLICIES, PolicyName
-from kvtier.mechanism.device import Transfer
-from kvtier.mechanism.disk import DiskRecord
-from kvtier.mechanism.io import LoadJob
 
 TRACE_BLOCK_TOKENS = 512
 _NAMESPACE = "trace"
 _SESSION = "replay"
 #: The store needs a layout; replay moves no bytes, so any small one will do.
 _LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=8, block_tokens=TRACE_BLOCK_TOKENS, dtype="uint8")
-
-
-class BookkeepingMover:
-    """A PageMover for replay: accounts for moves without bytes; every page verifies."""
-
-    def clear_host(self, slot: int) -> None:
-        pass
-
-    def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
-        return [replace(record, length=_LAYOUT.page_bytes) for _, record in moves]
-
-    def load(self, job: LoadJob) -> None:
-        job.on_done(job, True)
-
-    def prefetch_room(self) -> int:
-        return 0
-
-    def boost(self, job: LoadJob) -> None:
-        pass
-
-    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
-        return []
-
-    def forget(self, records: Iterable[DiskRecord]) -> None:
-        pass
-
-    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
-        transfer = Transfer(None, b"", on_done)
-        on_done(transfer, True)
-        transfer.done.set()
-        return transfer
-
-    def marker(self) -> Transfer:
-        transfer = Transfer(None, b"")
-        transfer.done.set()
-        return transfer
-
-    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -134,7 +93,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
     """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
     engine would), so they climb disk -> host -> device and fall back the same way."""
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
-                       mover=BookkeepingMover(), policy=POLICIES[PolicyName(policy)], prefetch_hold=0.0)
+                       mover=BookkeepingMover(_LAYOUT.page_bytes), policy=POLICIES[PolicyName(policy)], prefetch_hold=0.0)
     read_into = Tier.DEVICE if device_pages else Tier.HOST
     n_requests = 0
     for ids in requests:

@@ -12,13 +12,14 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.invariants import check_invariants
 from kvtier.core.store import BlockStore
-from kvtier.replay.mooncake import _LAYOUT, BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.replay.mooncake import _LAYOUT
 
 NS, S = "ns", "session"
 
 
 def store(device: int = 2, host: int = 3, disk: int = 4) -> BlockStore:
-    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, mover=BookkeepingMover(),
+    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, mover=BookkeepingMover(_LAYOUT.page_bytes),
                       prefetch_hold=0.0)
 
 

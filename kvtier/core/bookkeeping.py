@@ -1,0 +1,66 @@
+"""A PageMover that keeps only the books: no bytes, every page verifies, every copy lands
+at once. Trace replay (kvtier.replay) and the core's own tests drive a real BlockStore
+with it, so policies and the index run exactly as in the daemon, without any tier."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvtier_client.ids import Slot
+
+from kvtier.core.ports import DiskRecord, LoadJob
+
+
+@dataclass
+class LandedTransfer:
+    """A promotion that has already landed (the ports' Transfer, with no CUDA event)."""
+
+    ipc_handle: bytes = b""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+class BookkeepingMover:
+    """Accounts for moves without bytes. `page_bytes` is what stored disk records say
+    they hold."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+
+    def clear_host(self, slot: Slot) -> None:
+        pass
+
+    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
+        return [replace(record, length=self.page_bytes) for _, record in moves]
+
+    def load(self, job: LoadJob) -> None:
+        job.on_done(job, True)
+
+    def prefetch_room(self) -> int:
+        return 0
+
+    def boost(self, job: LoadJob) -> None:
+        pass
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        return []
+
+    def forget(self, records: Iterable[DiskRecord]) -> None:
+        pass
+
+    def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[LandedTransfer, bool], None]) -> LandedTransfer:
+        transfer = LandedTransfer()
+        on_done(transfer, True)
+        return transfer
+
+    def marker(self) -> LandedTransfer:
+        return LandedTransfer()
+
+    def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
+        pass

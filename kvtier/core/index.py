@@ -1,0 +1,183 @@
+"""The block index: which blocks are cached, their copies in each tier, and each tier's
+slots and counts. Plain bookkeeping: no locking (the store holds its lock around every
+call), no I/O, no decisions.
+
+A copy's protection, one word each:
+
+    pinned     held by read leases (`pins`): never evicted, never moved
+    protected  pinned, or `waiters` > 0, or `readers` > 0, or still `loading`, or (for
+               room-making that is not for a hint) held after a prefetch: the policy must
+               not choose it as a victim now
+
+    waiters    requests working with this copy right now: an Acquire waiting for it to
+               load, or a call keeping it while it makes room elsewhere
+    readers    copies in flight that read from this one: a disk load reading a disk copy,
+               a promotion reading a host copy; the slot must not be reused meanwhile
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvtier_client.errors import InvalidArgument
+from kvtier_client.ids import Slot
+from kvtier_client.tiers import Tier
+
+from kvtier.core.ports import DiskRecord, LoadJob
+from kvtier.core.slots import SlotAllocator
+from kvtier.policy import EvictionPolicy, Ref
+
+MAX_KEY_BYTES = 64
+MAX_NAMESPACE_BYTES = 255
+
+
+@dataclass
+class Copy:
+    """One copy of a block in one tier."""
+
+    slot: Slot
+    pins: int = 0  # read leases holding this copy
+    record: DiskRecord | None = None  # disk copies: the persisted index entry
+    loading: bool = False  # bytes still on their way (host: from disk; device: from host)
+    waiters: int = 0  # requests waiting on or working with this copy now
+    readers: int = 0  # copies in flight reading from this one (disk loads, promotions)
+    held_until: float = 0.0  # a loaded page is kept (monotonic time) until acquired or this passes
+    job: LoadJob | None = None  # the queued or running load, while loading
+
+    def is_protected(self, now: float, *, holds: bool = True) -> bool:
+        return bool(self.pins or self.waiters or self.readers or self.loading or (holds and self.held_until > now))
+
+
+@dataclass(eq=False)
+class Block:
+    ref: Ref
+    parent: Ref | None
+    copies: dict[Tier, Copy] = field(default_factory=dict)
+
+    @property
+    def best_tier(self) -> Tier:
+        return min(self.copies)
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0  # looked-up blocks whose fastest copy was here
+    evictions: int = 0  # copies removed from this tier to make room
+    promotions: int = 0  # copies made here from a slower tier
+    demotions: int = 0  # copies made here from a faster tier
+    bytes_in: int = 0  # bytes copied into this tier by promotions and demotions
+    corrupt_pages: int = 0  # copies dropped here because they failed its checksum
+
+
+@dataclass
+class TierState:
+    tier: Tier
+    slots: SlotAllocator
+    policy: EvictionPolicy
+    writing: set[Slot] = field(default_factory=set)
+    cached: int = 0
+    pinned: int = 0  # cached copies held by at least one read lease
+    counters: TierCounters = field(default_factory=TierCounters)
+
+
+@dataclass
+class RequestCounters:
+    lookup_blocks: int = 0  # keys looked up
+    miss_blocks: int = 0  # of those, not cached
+    acquired_pages: int = 0  # pages asked for by acquires
+    ready_on_arrival: int = 0  # of those, already in the target tier and loaded
+    loading: int = 0  # host copies whose bytes are on their way
+
+
+class BlockIndex:
+    """Blocks by reference and the tiers' slot states, for one layout."""
+
+    def __init__(self, tiers: Iterable[TierState]) -> None:
+        self.tiers: dict[Tier, TierState] = {state.tier: state for state in sorted(tiers, key=lambda s: s.tier)}
+        self.blocks: dict[Ref, Block] = {}
+        self.counters = RequestCounters()
+        host_pages = self.tiers[Tier.HOST].slots.capacity
+        #: The namespace whose data each host slot last held: a slot must be zeroed before
+        #: a writer of another namespace gets it.
+        self.host_owner: list[str | None] = [None] * host_pages
+
+    def recover_disk(self, records: Iterable[DiskRecord]) -> None:
+        """File the disk tier's persisted pages, oldest first (the policy's recency)."""
+        state = self.tiers[Tier.DISK]
+        for record in sorted(records, key=lambda r: r.seq):
+            ref = (record.namespace, record.key)
+            parent = (record.namespace, record.parent) if record.parent else None
+            block = self.blocks[ref] = Block(ref, parent)
+            block.copies[Tier.DISK] = Copy(Slot(record.slot), record=record)
+            state.policy.add(ref, parent)
+            state.cached += 1
+
+    def add_copy(self, block: Block, tier: Tier, copy: Copy) -> None:
+        state = self.tiers[tier]
+        block.copies[tier] = copy
+        state.policy.add(block.ref, block.parent)
+        state.cached += 1
+
+    def drop_copy(self, block: Block, tier: Tier) -> DiskRecord | None:
+        """Remove one copy from the index and its tier; returns its disk record to forget, if any."""
+        state = self.tiers[tier]
+        copy = block.copies.pop(tier)
+        if copy.pins:
+            raise RuntimeError(f"invariant broken: dropping a pinned {tier.label} copy of {block.ref}")
+        state.policy.remove(block.ref)
+        state.slots.free(copy.slot)
+        state.cached -= 1
+        if not block.copies:
+            del self.blocks[block.ref]
+        return copy.record
+
+    def pin(self, block: Block, tier: Tier) -> None:
+        copy = block.copies[tier]
+        if not copy.pins:
+            self.tiers[tier].pinned += 1
+        copy.pins += 1
+
+    def unpin(self, block: Block, tier: Tier) -> None:
+        copy = block.copies[tier]
+        copy.pins -= 1
+        if not copy.pins:
+            self.tiers[tier].pinned -= 1
+
+    def protected(self, tier: Tier, *, holds: bool = True) -> Callable[[Ref], bool]:
+        """The copies of `tier` the policy must not choose now (with `holds`, held
+        prefetched pages too)."""
+        now = time.monotonic()
+        return lambda ref: self.blocks[ref].copies[tier].is_protected(now, holds=holds)
+
+    def is_current(self, block: Block) -> bool:
+        """Still filed: not dropped, nor replaced by a new block under the same key."""
+        return self.blocks.get(block.ref) is block
+
+    def is_loading(self, block: Block, tier: Tier) -> bool:
+        return self.is_current(block) and tier in block.copies and block.copies[tier].loading
+
+    def wait_on(self, blocks: Iterable[Block], tier: Tier) -> None:
+        for b in blocks:
+            b.copies[tier].waiters += 1
+
+    def stop_waiting(self, blocks: Iterable[Block], tier: Tier) -> None:
+        for b in blocks:
+            if tier in b.copies:
+                b.copies[tier].waiters -= 1
+
+    def block_of(self, job: LoadJob) -> Block:
+        return self.blocks[(job.record.namespace, job.record.key)]
+
+
+def check_namespace(namespace: str) -> None:
+    if not isinstance(namespace, str) or not namespace or len(namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise InvalidArgument(f"namespace must be a non-empty string of at most {MAX_NAMESPACE_BYTES} bytes")
+
+
+def check_keys(keys: list[bytes]) -> None:
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument(
+                f"key {i} must be 1 to {MAX_KEY_BYTES} bytes (a block key from kvtier_client.block_keys)"
+            )

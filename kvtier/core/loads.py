@@ -1,0 +1,215 @@
+"""Loads and promotions: bringing cached pages up to the tier a request reads them from.
+
+    start(blocks, HOST)   one loading host copy per disk-only block (one per page however
+                          many callers: a second request joins the load in flight), read by
+                          the mover's I/O workers; device-only blocks are copied down first
+    finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one
+    wait_loaded(blocks)   the lock released, until the pages are loaded or time is up
+    promote(blocks)       host -> device in one copy-engine submission; returns at once
+                          with the transfer the engine waits on; `finish_promote` when it lands
+
+Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
+The `loaded` condition (on that same lock) is notified whenever a load or promotion ends.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvtier_client.errors import CapacityError, NotFound, Unavailable
+from kvtier_client.ids import SessionId
+from kvtier_client.layout import PageLayout
+from kvtier_client.tiers import Tier
+
+from kvtier.core.capacity import Capacity
+from kvtier.core.index import Block, BlockIndex, Copy
+from kvtier.core.ports import LoadJob, LoadKind, PageMover, Transfer
+
+
+class Loads:
+    def __init__(self, index: BlockIndex, capacity: Capacity, mover: PageMover, layout: PageLayout,
+                 lock: threading.RLock, prefetch_hold: float) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.mover = mover
+        self.page_bytes = layout.page_bytes
+        self.prefetch_hold = prefetch_hold
+        self._lock = lock
+        self.loaded = threading.Condition(lock)
+
+    # -- into host ------------------------------------------------------------
+    def start(self, session: SessionId, blocks: list[Block], tier: Tier, kind: LoadKind, priority: int = 0) -> None:
+        """Register one waiter on each block's copy in `tier`, starting a load for each block
+        that has none (joining a load in flight instead: one transfer per page).
+
+        Raises CapacityError, having changed nothing, when room for the loads cannot be made.
+        """
+        index = self.index
+        # Protect everything involved while room is made: the copies here (as waiters,
+        # which they stay), device-only pages copied down first, and the disk copies about
+        # to be read.
+        present = [b for b in blocks if tier in b.copies]
+        index.wait_on(present, tier)
+        down = [b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies]
+        try:
+            self.capacity.copy_down(down)
+        except CapacityError:
+            index.stop_waiting(present, tier)
+            raise
+        index.wait_on(down, tier)
+        present += down
+        missing = [b for b in blocks if tier not in b.copies]
+        index.wait_on(missing, Tier.DISK)
+        try:
+            self.capacity.make_room(tier, len(missing), hint=kind is LoadKind.PREFETCH)
+        except CapacityError:
+            index.stop_waiting(present, tier)
+            raise
+        finally:
+            index.stop_waiting(missing, Tier.DISK)
+        if kind is LoadKind.ACQUIRE:
+            for b in present:
+                if b.copies[tier].job is not None:
+                    self.mover.boost(b.copies[tier].job)  # an Acquire now waits on a queued prefetch
+        state = index.tiers[tier]
+        for b in missing:
+            slot = state.slots.alloc()
+            # The slot holds this namespace's bytes from the read on, even if the page then
+            # fails its checksum: a later writer of another namespace must get it zeroed.
+            index.host_owner[slot] = b.ref[0]
+            source = b.copies[Tier.DISK]
+            source.readers += 1  # the disk slot must not be reused while we read it
+            job = LoadJob(source.record, slot, kind, session, self.finish_load, priority)
+            index.add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
+            index.counters.loading += 1
+            self.mover.load(job)
+
+    def finish_load(self, job: LoadJob, ok: bool) -> None:
+        """A load ended (on an I/O worker, or at once in replay): publish or drop the page."""
+        with self._lock:
+            index = self.index
+            block = index.block_of(job)
+            copy = block.copies[Tier.HOST]
+            block.copies[Tier.DISK].readers -= 1
+            copy.loading = False
+            copy.job = None
+            index.counters.loading -= 1
+            state = index.tiers[Tier.HOST]
+            if ok:
+                copy.held_until = time.monotonic() + self.prefetch_hold
+                state.counters.promotions += 1
+                state.counters.bytes_in += self.page_bytes
+            else:
+                # Waiting acquires see the copy gone and stop their ready prefix before it.
+                copy.waiters = 0
+                index.tiers[Tier.DISK].counters.corrupt_pages += 1
+                self.capacity.drop([block], Tier.HOST)
+                self.capacity.drop([block], Tier.DISK)
+            self.loaded.notify_all()
+
+    def wait_loaded(self, blocks: list[Block], timeout: float | None) -> int:
+        """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,
+        or the time is up; returns how many leading blocks have a loaded host copy.
+
+        Our waiter count keeps each copy from eviction meanwhile, and a page, once loaded
+        or dropped, stays so: the scan only moves forward, linear in the pages.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        settled = 0
+        while True:
+            while settled < len(blocks) and not self.index.is_loading(blocks[settled], Tier.HOST):
+                settled += 1
+            if settled == len(blocks):
+                break
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            self.loaded.wait(remaining)
+        # A failed load dropped its block's copies; `is_current` also guards against a new
+        # block committed under the same key meanwhile.
+        ready = 0
+        for b in blocks:
+            if not self.index.is_current(b) or Tier.HOST not in b.copies or b.copies[Tier.HOST].loading:
+                break
+            ready += 1
+        return ready
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        return self.loaded.wait_for(lambda: self.index.counters.loading == 0, timeout)
+
+    # -- withdrawing ----------------------------------------------------------
+    def cancel_session(self, session: SessionId) -> None:
+        """Withdraw a session's queued prefetches that no Acquire waits for."""
+        self._withdraw(self.mover.cancel(session, lambda job: self.index.block_of(job).copies[Tier.HOST].waiters == 0))
+
+    def cancel_all(self) -> None:
+        """Withdraw every queued load (shutdown): waiting acquires return what is ready."""
+        self._withdraw(self.mover.cancel(None, lambda job: True))
+
+    def _withdraw(self, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            block = self.index.block_of(job)
+            block.copies[Tier.DISK].readers -= 1
+            copy = block.copies[Tier.HOST]
+            copy.loading, copy.job, copy.waiters = False, None, 0
+            self.index.counters.loading -= 1
+            self.capacity.drop([block], Tier.HOST)
+        if jobs:
+            self.loaded.notify_all()
+
+    def raise_not_loaded(self, keys: list[bytes], blocks: list[Block], ready: int) -> None:
+        """Why the page after the ready prefix is missing, as the caller's error."""
+        first = keys[ready]
+        if self.index.is_current(blocks[ready]):  # still cached: its load was withdrawn
+            raise Unavailable(
+                f"the load of key {ready} ({first.hex()}) was withdrawn because the pool is shutting down; "
+                "retry against the restarted daemon"
+            )
+        raise NotFound(
+            f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
+            "recompute and commit it again"
+        )
+
+    # -- into device ----------------------------------------------------------
+    def promote(self, blocks: list[Block]) -> Transfer | None:
+        """Copy the blocks without a device copy from host (loaded, protected by our
+        waiters) to the device in one submission. Returns the transfer after which every
+        one of `blocks` is readable on the device, None if all already are.
+
+        Raises CapacityError, having changed nothing, when the device cannot make room.
+        """
+        device = self.index.tiers[Tier.DEVICE]
+        missing = [b for b in blocks if Tier.DEVICE not in b.copies]
+        present = [b for b in blocks if Tier.DEVICE in b.copies]
+        in_flight = any(b.copies[Tier.DEVICE].loading for b in present)
+        if not missing:
+            return self.mover.marker() if in_flight else None
+        # Copies that arrived while we waited (another acquire's) must not be chosen for room.
+        self.index.wait_on(present, Tier.DEVICE)
+        try:
+            self.capacity.make_room(Tier.DEVICE, len(missing))
+        finally:
+            self.index.stop_waiting(present, Tier.DEVICE)
+        pairs = []
+        for b in missing:
+            slot = device.slots.alloc()
+            b.copies[Tier.HOST].readers += 1  # the source stays until the copy lands
+            self.index.add_copy(b, Tier.DEVICE, Copy(slot, loading=True))
+            pairs.append((b.copies[Tier.HOST].slot, slot))
+        # The promotion stream runs in order: this transfer also covers earlier ones in flight.
+        return self.mover.promote(pairs, lambda transfer, ok: self.finish_promote(missing, ok))
+
+    def finish_promote(self, blocks: list[Block], ok: bool) -> None:
+        """A promotion landed (on the copy engine's thread, or at once in replay)."""
+        with self._lock:
+            device = self.index.tiers[Tier.DEVICE]
+            for b in blocks:
+                b.copies[Tier.HOST].readers -= 1
+                b.copies[Tier.DEVICE].loading = False
+                if ok:
+                    device.counters.promotions += 1
+                    device.counters.bytes_in += self.page_bytes
+            if not ok:
+                # A failed CUDA copy leaves the context unusable; drop what nobody holds.
+                self.capacity.drop([b for b in blocks if not b.copies[Tier.DEVICE].pins], Tier.DEVICE)
+            self.loaded.notify_all()

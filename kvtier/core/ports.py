@@ -1,0 +1,105 @@
+"""Ports: what the core needs from mechanism, defined by the core and implemented there.
+
+The core decides which page goes where; mechanism moves the bytes. The core calls one
+`PageMover` by slot number and never imports a tier: `kvtier.mechanism.mover.ArenaMover`
+moves real bytes between the arenas and the disk, `kvtier.core.bookkeeping.BookkeepingMover`
+only keeps the books (trace replay, core tests).
+
+    clear_host       zero a host slot before another namespace writes it      synchronous
+    store / forget   host slots -> disk slots; disk pages out of the index     synchronous
+    load             one disk page -> one host slot, `LoadJob.on_done` later   asynchronous
+    prefetch_room / boost / cancel    the disk read queue's back-pressure and order
+    promote / marker host slots -> device slots, `on_done` when they land      asynchronous
+    demote           device slots -> host slots                                synchronous
+
+Asynchronous completions run on mechanism threads; the core takes its own lock there.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Protocol
+
+from kvtier_client.ids import Slot
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """One disk page's persistent index entry. `checksum` is xxh3-64 of the page's
+    `length` bytes; `seq` orders entries by write, so a restart rebuilds recency."""
+
+    namespace: str
+    key: bytes
+    slot: int
+    parent: bytes | None = None
+    length: int = 0
+    checksum: int = 0
+    seq: int = 0
+
+
+class LoadKind(IntEnum):
+    """Why a disk page is loaded. Lower runs first."""
+
+    ACQUIRE = 0
+    PREFETCH = 1
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One disk page on its way into a host slot: queued, then started, then done. Until
+    started it can be cancelled (its session ended) or boosted (an Acquire now waits)."""
+
+    record: DiskRecord
+    host_slot: Slot
+    kind: LoadKind
+    session: str
+    on_done: Callable[["LoadJob", bool], None]
+    priority: int = 0  # among prefetches: higher first
+    enqueued: float = field(default_factory=time.monotonic)
+    started: bool = False
+    cancelled: bool = False
+
+
+class Transfer(Protocol):
+    """A host -> device copy in flight; the engine waits on it before reading the pages."""
+
+    ipc_handle: bytes  # the interprocess CUDA event's handle, sent to the engine
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Host-side wait for the copy to land."""
+
+
+class PageMover(Protocol):
+    def clear_host(self, slot: Slot) -> None:
+        """Zero a host slot before it goes to a writer of another namespace."""
+
+    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
+        """Copy host slots to the disk slots named in the records; return the stored records."""
+
+    def load(self, job: LoadJob) -> None:
+        """Start copying a disk page into a host slot; `job.on_done(job, ok)` reports the
+        result, ok False if the page failed its checksum (drop it). May call back at once."""
+
+    def prefetch_room(self) -> int:
+        """How many prefetch loads can be queued now (back-pressure)."""
+
+    def boost(self, job: LoadJob) -> None:
+        """Run a queued prefetch load with Acquire priority."""
+
+    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        """Withdraw a session's (None: every session's) queued loads that `cancellable`
+        allows; returns them."""
+
+    def forget(self, records: Iterable[DiskRecord]) -> None:
+        """Remove disk pages from the persistent index."""
+
+    def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+        """Start copying (host slot, device slot) pairs; `on_done(transfer, ok)` when they land."""
+
+    def marker(self) -> Transfer:
+        """A transfer that completes after every promotion started so far."""
+
+    def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
+        """Copy (device slot, host slot) pairs and return when the bytes are in host memory."""

@@ -1,0 +1,76 @@
+"""What the store's calls return: small frozen records at the core's boundary. Named apart
+from the client's types (the client has its own `Lease`, `LookupResult`, `TierStats`...)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier_client.ids import LeaseId, Slot
+from kvtier_client.tiers import Tier
+
+from kvtier.core.index import TierCounters
+from kvtier.core.ports import Transfer
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """`hit_blocks` leading keys are cached; `tiers[i]` is the fastest tier holding key i."""
+
+    hit_blocks: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True)
+class WriteGrant:
+    """A borrow's answer: free pages leased for writing."""
+
+    lease_id: LeaseId
+    tier: Tier
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """`duplicates` are indices of keys that were already cached: the cached page was kept
+    and the lease's page for that key was freed. The lease has ended."""
+
+    lease_id: LeaseId
+    committed: int
+    duplicates: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReadGrant:
+    """An acquire's answer: cached pages leased for reading."""
+
+    lease_id: LeaseId
+    tier: Tier
+    slots: tuple[Slot, ...]  # the ready prefix: pages pinned and readable
+    promoted: int  # how many of the requested pages were not ready on arrival
+    ready: int
+    transfer: Transfer | None = None  # device: readable once this copy completes
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    tier: Tier
+    capacity: int
+    free: int
+    writing: int
+    cached: int
+    pinned: int
+    counters: TierCounters
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    tiers: tuple[TierUsage, ...]
+    lookup_blocks: int
+    miss_blocks: int
+    leases: int
+    sessions: int
+    acquired_pages: int = 0  # pages asked for by acquires
+    ready_on_arrival: int = 0  # of those, already in the target tier and loaded
+    loading: int = 0  # host pages whose load is in flight or queued
+
+    def tier(self, tier: Tier) -> TierUsage | None:
+        return next((t for t in self.tiers if t.tier == tier), None)
