@@ -12,7 +12,7 @@ import pytest
 from kvtier_client.layout import PageLayout
 from kvtier_client.shm import SHM_DIR
 
-from kvtier.pool import Pool, PoolConfig
+from kvtier.server.pools import Pool, PoolConfig
 
 #: A small layout whose page (3072 bytes) is not a whole slot (4096), so padding is exercised.
 SMALL_LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")

@@ -1,13 +1,24 @@
-"""Daemon configuration: one frozen, typed tree built from defaults < TOML file < KVTIER_*
-environment variables < command-line flags (later wins). docs/configuration.md lists every key."""
+"""Daemon configuration: one frozen, typed tree (`DaemonConfig`) built from defaults < TOML
+file < KVTIER_* environment variables < command-line flags (later wins).
+
+`OPTIONS` is the one table of options: the TOML reader, the environment reader, the flags
+of `kvtier serve` (kvtier/server/cli.py) and the table in docs/configuration.md (checked by
+tests/server/test_config.py) all come from it. An option's key is its TOML key, its
+variable is KVTIER_<KEY> and its flag --<key> with dashes; `section` and `field` say where
+it lands in the tree. The TOML file is flat (keys as listed, no sections).
+"""
 from __future__ import annotations
 
 import hashlib
 import os
 import re
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
+from kvtier.mechanism.disk import FsyncPolicy
+from kvtier.policy import PolicyName
 from kvtier.units import parse_size
 
 try:
@@ -15,10 +26,102 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+
 class ConfigError(ValueError):
     """The configuration is unusable; the message says which key and how to fix it."""
 
 
+class AuthMode(str, Enum):
+    """tokens: every Register carries a bearer token that must grant the namespace;
+    none: whoever can open the socket may use any namespace."""
+
+    TOKENS = "tokens"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LogFormat(str, Enum):
+    JSON = "json"
+    TEXT = "text"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- the tree -----------------------------------------------------------------
+@dataclass(frozen=True)
+class ListenConfig:
+    socket: str  # absolute Unix socket path
+    tcp: str  # host:port to also listen on; "" = none
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str  # set = mutual TLS: clients must present a certificate it signed
+    insecure: bool  # allow TCP without TLS (loopback testing only)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    mode: AuthMode
+    tokens_file: str  # TOML: [tokens] "<token>" = ["namespace", ...] ("*" = any)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """What each page layout's pool gets (kvtier.server.pools.PoolConfig.from_tiers)."""
+
+    host_size: int
+    disk_size: int
+    device_size: int  # 0 = no device tier
+    gpu: int
+    cache_dir: str  # absolute; the disk tier's directory
+    policy: PolicyName
+    write_through: bool
+    fsync: FsyncPolicy
+    fsync_interval: float
+    io_depth: int
+    max_queued_prefetch: int
+    prefetch_hold: float
+    arena_prefix: str
+    max_pools: int
+
+
+@dataclass(frozen=True)
+class SessionsConfig:
+    session_timeout: float
+    drain_timeout: float
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int  # 0 = no Prometheus endpoint
+    host: str
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str
+    format: LogFormat
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    listen: ListenConfig
+    auth: AuthConfig
+    tiers: TiersConfig
+    sessions: SessionsConfig
+    metrics: MetricsConfig
+    log: LogConfig
+
+
+_SECTIONS: dict[str, type] = {
+    "listen": ListenConfig, "auth": AuthConfig, "tiers": TiersConfig, "sessions": SessionsConfig,
+    "metrics": MetricsConfig, "log": LogConfig,
+}
+
+
+# -- value kinds ----------------------------------------------------------------
 def parse_seconds(text: str | float, key: str) -> float:
     """'5s', '500ms', '2', 2.5 -> seconds."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -33,6 +136,147 @@ def parse_seconds(text: str | float, key: str) -> float:
     return value
 
 
+def _size(value: Any, key: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: {value!r} is not a boolean (true/false)")
+
+
+def _int(value: Any, key: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: {value!r} is not an integer") from None
+
+
+def _text(value: Any, key: str) -> str:
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How an option's value is read (from TOML, the environment or a flag) and shown."""
+
+    metavar: str
+    parse: Callable[[Any, str], Any]
+    choices: tuple[str, ...] = ()  # offered by the flag; an enum kind also refuses others
+
+    @staticmethod
+    def of(enum: type[Enum], *, optional: bool = False) -> "Kind":
+        """Values of `enum`; with `optional`, "" reads as None (a default derived later)."""
+        names = tuple(member.value for member in enum)
+        listed = f"{', '.join(names[:-1])} or {names[-1]}"
+
+        def parse(value: Any, key: str) -> Enum | None:
+            if optional and value == "":
+                return None
+            try:
+                return enum(str(value))
+            except ValueError:
+                raise ConfigError(f"{key}: unknown {str(value)!r}; use {listed}") from None
+
+        return Kind("|".join(names), parse, names)
+
+
+TEXT = Kind("TEXT", _text)
+PATH = Kind("PATH", _text)
+INT = Kind("INTEGER", _int)
+BOOL = Kind("", _bool)
+SIZE = Kind("SIZE", _size)
+DURATION = Kind("DURATION", parse_seconds)
+LOG_LEVELS = Kind("LEVEL", _text, ("debug", "info", "warning", "error"))  # as given to logging; not refused here
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str  # TOML key; KVTIER_<KEY>; --<key-with-dashes>
+    section: str
+    kind: Kind
+    default: Any  # written as in a TOML file; "" = derived at load time (`shown` says how)
+    help: str  # one line for `kvtier serve --help`; docs/configuration.md says more
+    shown: str = ""  # the default as --help and the docs show it, when not the default itself
+    field: str = ""  # the field in its section, when not the key
+    off_flag: str = ""  # a boolean's negative flag (--write-back)
+    metavar: str = ""  # when not the kind's
+
+    @property
+    def env(self) -> str:
+        return f"KVTIER_{self.key.upper()}"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def attr(self) -> str:
+        return self.field or self.key
+
+    def read(self, value: Any) -> Any:
+        """The typed value of `value` as written in TOML, the environment or a flag."""
+        return self.kind.parse(value, self.key)
+
+    @property
+    def default_text(self) -> str:
+        if self.shown:
+            return self.shown
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        return str(self.default)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("socket", "listen", PATH, "", "Unix socket path (created with mode 0660).",
+           shown="$XDG_RUNTIME_DIR/kvtier/kvtier.sock"),
+    Option("tcp", "listen", TEXT, "", "Also listen on HOST:PORT over TLS (needs --tls-cert/--tls-key, or --insecure).",
+           shown="off", metavar="HOST:PORT"),
+    Option("tls_cert", "listen", PATH, "", "PEM certificate for TCP.", shown="none"),
+    Option("tls_key", "listen", PATH, "", "PEM private key for TCP.", shown="none"),
+    Option("tls_client_ca", "listen", PATH, "", "PEM CA: require client certificates it signed (mutual TLS).", shown="none"),
+    Option("insecure", "listen", BOOL, False, "Allow plaintext TCP (trusted loopback only)."),
+    Option("auth", "auth", Kind.of(AuthMode, optional=True), "", "Namespace authorisation.",
+           shown="tokens if tokens_file is set, else none", field="mode"),
+    Option("tokens_file", "auth", PATH, "", 'TOML file: [tokens] "<token>" = ["namespace", ...].', shown="none"),
+    Option("cache_dir", "tiers", PATH, "", "Disk tier directory.", shown="$XDG_CACHE_HOME/kvtier"),
+    Option("host_size", "tiers", SIZE, "1GiB", "Host tier size per layout, e.g. 8GiB."),
+    Option("disk_size", "tiers", SIZE, "8GiB", "Disk tier size per layout, e.g. 100GiB; 0 for none."),
+    Option("device_size", "tiers", SIZE, "0", "GPU HBM per layout for the device tier, e.g. 40GiB; needs CUDA and CuPy; 0 = none."),
+    Option("gpu", "tiers", INT, 0, "CUDA device index of the device tier."),
+    Option("policy", "tiers", Kind.of(PolicyName), "lru", "Eviction policy."),
+    Option("write_through", "tiers", BOOL, False, "Copy pages to disk at commit, or only when evicted (write-back).",
+           off_flag="write-back"),
+    Option("fsync", "tiers", Kind.of(FsyncPolicy), "batch",
+           "When disk pages become durable: before their index commits (batch), every --fsync-interval, or never."),
+    Option("fsync_interval", "tiers", DURATION, "1s", "Flush period for --fsync interval."),
+    Option("io_depth", "tiers", INT, 8, "Disk reads and writes in flight per pool (1 to 256)."),
+    Option("max_queued_prefetch", "tiers", INT, 1024,
+           "Prefetch loads queued per pool; more hints are dropped (1024: four 4,096-token prefixes of 16-token pages)."),
+    Option("prefetch_hold", "tiers", DURATION, "10s", "How long a prefetched page is kept unless acquired."),
+    Option("arena_prefix", "tiers", TEXT, "", "Name prefix of host arenas in /dev/shm.",
+           shown="derived from the socket path"),
+    Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once."),
+    Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
+    Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released."),
+    Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
+    Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
+    Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),
+    Option("log_format", "log", Kind.of(LogFormat), "json", "One JSON object per line, or plain text.", field="format"),
+)
+BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
+
+
+# -- loading --------------------------------------------------------------------
 def default_socket() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
     return os.path.join(runtime, "kvtier", "kvtier.sock")
@@ -43,116 +287,7 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "kvtier")
 
 
-@dataclass(frozen=True)
-class DaemonConfig:
-    socket: str = ""  # Unix socket path; "" = the default under $XDG_RUNTIME_DIR
-    tcp: str = ""  # host:port to also listen on TCP
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""  # set = mutual TLS: clients must present a certificate it signed
-    insecure: bool = False  # allow TCP without TLS (loopback testing only)
-    auth: str = ""  # "tokens" or "none"; "" = tokens if a tokens file is given, else none
-    tokens_file: str = ""  # TOML: [tokens] "<token>" = ["namespace", ...] ("*" = any)
-    cache_dir: str = ""  # disk tier directory; "" = $XDG_CACHE_HOME/kvtier
-    host_size: int = 1 << 30
-    disk_size: int = 8 << 30
-    device_size: int = 0  # GPU HBM per layout for the device tier; 0 = no device tier
-    gpu: int = 0  # CUDA device index of the device tier
-    policy: str = "lru"
-    write_through: bool = False
-    fsync: str = "batch"  # batch | interval | never (docs/tiers.md, "Durability")
-    fsync_interval: float = 1.0  # seconds between flushes for fsync = interval
-    io_depth: int = 8  # disk reads and writes in flight per pool
-    max_queued_prefetch: int = 1024  # prefetch loads queued per pool; further hints are dropped
-    prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
-    session_timeout: float = 3.0  # seconds without a heartbeat before a session's leases go
-    drain_timeout: float = 10.0  # seconds SIGTERM waits for leases to be released
-    metrics_port: int = 0  # 0 = no Prometheus endpoint
-    metrics_host: str = "127.0.0.1"
-    arena_prefix: str = ""  # host arena names; "" = derived from the socket path
-    max_pools: int = 4  # distinct page layouts served at once; each gets host_size and disk_size
-    log_level: str = "info"
-    log_format: str = "json"
-
-    def resolved(self) -> "DaemonConfig":
-        """Fill the derived defaults and validate; raises ConfigError with a one-line reason."""
-        socket = os.path.abspath(self.socket or default_socket())
-        changes: dict[str, Any] = {
-            "socket": socket,
-            "cache_dir": os.path.abspath(self.cache_dir or _default_cache_dir()),
-            "arena_prefix": self.arena_prefix or "kvtier-" + hashlib.sha256(socket.encode()).hexdigest()[:8],
-            "auth": self.auth or ("tokens" if self.tokens_file else "none"),
-        }
-        cfg = DaemonConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
-        cfg._validate()
-        return cfg
-
-    def _validate(self) -> None:
-        if self.policy not in ("lru", "prefix"):
-            raise ConfigError(f"policy: unknown {self.policy!r}; use lru or prefix")
-        if self.auth not in ("tokens", "none"):
-            raise ConfigError(f"auth: unknown {self.auth!r}; use tokens or none")
-        if self.auth == "tokens" and not self.tokens_file:
-            raise ConfigError("auth = tokens needs tokens_file (a TOML file with a [tokens] table)")
-        if self.tcp:
-            m = re.fullmatch(r".+:([0-9]+)", self.tcp)
-            if not m or not 0 < int(m.group(1)) <= 65535:
-                raise ConfigError(f"tcp: {self.tcp!r} is not host:port with a port from 1 to 65535")
-            if not (self.tls_cert and self.tls_key) and not self.insecure:
-                raise ConfigError("tcp needs tls_cert and tls_key, or --insecure for plaintext on a trusted loopback")
-            if self.auth == "none" and not self.insecure:
-                raise ConfigError("tcp with auth = none would let anyone on the network in: configure tokens_file")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key go together")
-        if self.host_size <= 0:
-            raise ConfigError("host_size must be positive: the host tier is where engines read and write pages")
-        if self.device_size < 0 or self.gpu < 0:
-            raise ConfigError("device_size and gpu must be >= 0 (device_size 0 = no device tier)")
-        if self.fsync not in ("batch", "interval", "never"):
-            raise ConfigError(f"fsync: unknown {self.fsync!r}; use batch, interval or never")
-        if self.io_depth < 1 or self.io_depth > 256:
-            raise ConfigError("io_depth must be between 1 and 256")
-        if self.max_queued_prefetch < 0:
-            raise ConfigError("max_queued_prefetch must be >= 0 (0 turns prefetch off)")
-        if self.max_pools < 1:
-            raise ConfigError("max_pools must be at least 1")
-        if self.log_format not in ("json", "text"):
-            raise ConfigError("log_format: use json or text")
-        if self.metrics_port < 0 or self.metrics_port > 65535:
-            raise ConfigError("metrics_port must be 0 (off) or a TCP port")
-
-
-_SIZES = {"host_size", "disk_size", "device_size"}
-_DURATIONS = {"session_timeout", "drain_timeout", "fsync_interval", "prefetch_hold"}
-
-
-def _coerce(key: str, value: Any) -> Any:
-    kind = {f.name: f.type for f in fields(DaemonConfig)}[key]
-    if key in _SIZES:
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
-    if key in _DURATIONS:
-        return parse_seconds(value, key)
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: {value!r} is not a boolean (true/false)")
-    if kind == "int":
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: {value!r} is not an integer") from None
-    return str(value)
-
-
-def _read_toml(path: str, what: str) -> dict[str, Any]:
+def read_toml(path: str, what: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -162,35 +297,76 @@ def _read_toml(path: str, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} {path}: {exc}") from None
 
 
-def load_config(path: str | None, env: dict[str, str], flags: dict[str, Any]) -> DaemonConfig:
+def load_config(path: str | None, env: Mapping[str, str], flags: Mapping[str, Any]) -> DaemonConfig:
     """Merge defaults, the TOML file at `path`, KVTIER_<KEY> variables and flags (not None)."""
-    known = {f.name for f in fields(DaemonConfig)}
-    merged: dict[str, Any] = {}
+    given: dict[str, Any] = {}
     if path:
-        for key, value in _read_toml(path, "config file").items():
-            if key not in known:
+        for key, value in read_toml(path, "config file").items():
+            if key not in BY_KEY:
                 raise ConfigError(f"config file {path}: unknown key {key!r}; see docs/configuration.md")
-            merged[key] = _coerce(key, value)
-    for key in known:
-        value = env.get(f"KVTIER_{key.upper()}")
+            given[key] = BY_KEY[key].read(value)
+    for option in OPTIONS:
+        value = env.get(option.env)
         if value is not None and value != "":
-            merged[key] = _coerce(key, value)
+            given[option.key] = option.read(value)
     for key, value in flags.items():
         if value is not None:
-            merged[key] = _coerce(key, value)
-    return DaemonConfig(**merged).resolved()
+            given[key] = BY_KEY[key].read(value)
+    values = {o.key: given[o.key] if o.key in given else o.read(o.default) for o in OPTIONS}
+    config = _tree(_resolve(values))
+    _validate(config)
+    return config
 
 
-def load_tokens(path: str) -> dict[str, frozenset[str]]:
-    """token -> namespaces it may use ("*" = any)."""
-    table = _read_toml(path, "tokens file").get("tokens")
-    if not isinstance(table, dict) or not table:
-        raise ConfigError(f'tokens file {path}: needs a [tokens] table, e.g. "s3cret" = ["tenant-a"]')
-    tokens = {}
-    for token, namespaces in table.items():
-        if len(token) < 16:
-            raise ConfigError(f"tokens file {path}: a token is shorter than 16 characters; use long random tokens")
-        if not isinstance(namespaces, list) or not all(isinstance(n, str) and n for n in namespaces):
-            raise ConfigError(f"tokens file {path}: each token maps to a list of namespace names")
-        tokens[token] = frozenset(namespaces)
-    return tokens
+def _resolve(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill the derived defaults."""
+    socket = os.path.abspath(values["socket"] or default_socket())
+    return {
+        **values,
+        "socket": socket,
+        "cache_dir": os.path.abspath(values["cache_dir"] or _default_cache_dir()),
+        "arena_prefix": values["arena_prefix"] or "kvtier-" + hashlib.sha256(socket.encode()).hexdigest()[:8],
+        "auth": values["auth"] or (AuthMode.TOKENS if values["tokens_file"] else AuthMode.NONE),
+    }
+
+
+def _tree(values: Mapping[str, Any]) -> DaemonConfig:
+    sections = {
+        name: cls(**{o.attr: values[o.key] for o in OPTIONS if o.section == name}) for name, cls in _SECTIONS.items()
+    }
+    return DaemonConfig(**sections)
+
+
+def _validate(cfg: DaemonConfig) -> None:
+    """Refuse combinations that cannot work; raises ConfigError with a one-line reason."""
+    listen, tiers = cfg.listen, cfg.tiers
+    if cfg.auth.mode is AuthMode.TOKENS and not cfg.auth.tokens_file:
+        raise ConfigError("auth = tokens needs tokens_file (a TOML file with a [tokens] table)")
+    if listen.tcp:
+        m = re.fullmatch(r".+:([0-9]+)", listen.tcp)
+        if not m or not 0 < int(m.group(1)) <= 65535:
+            raise ConfigError(f"tcp: {listen.tcp!r} is not host:port with a port from 1 to 65535")
+        if not (listen.tls_cert and listen.tls_key) and not listen.insecure:
+            raise ConfigError("tcp needs tls_cert and tls_key, or --insecure for plaintext on a trusted loopback")
+        if cfg.auth.mode is AuthMode.NONE and not listen.insecure:
+            raise ConfigError("tcp with auth = none would let anyone on the network in: configure tokens_file")
+    if bool(listen.tls_cert) != bool(listen.tls_key):
+        raise ConfigError("tls_cert and tls_key go together")
+    if tiers.host_size <= 0:
+        raise ConfigError("host_size must be positive: the host tier is where engines read and write pages")
+    if tiers.device_size < 0 or tiers.gpu < 0:
+        raise ConfigError("device_size and gpu must be >= 0 (device_size 0 = no device tier)")
+    if tiers.io_depth < 1 or tiers.io_depth > 256:
+        raise ConfigError("io_depth must be between 1 and 256")
+    if tiers.max_queued_prefetch < 0:
+        raise ConfigError("max_queued_prefetch must be >= 0 (0 turns prefetch off)")
+    if tiers.max_pools < 1:
+        raise ConfigError("max_pools must be at least 1")
+    if cfg.metrics.port < 0 or cfg.metrics.port > 65535:
+        raise ConfigError("metrics_port must be 0 (off) or a TCP port")
+
+
+# -- the docs' table --------------------------------------------------------------
+def docs_rows() -> list[str]:
+    """How each row of docs/configuration.md's table starts: key, section, default (in table order)."""
+    return [f"| `{o.key}` | {o.section} | {o.default_text} |" for o in OPTIONS]

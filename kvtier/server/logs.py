@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from kvtier.server.config import LogFormat
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -32,9 +34,9 @@ class TextFormatter(logging.Formatter):
         return line + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
 
 
-def setup_logging(level: str, fmt: str) -> None:
+def setup_logging(level: str, fmt: LogFormat) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if fmt is LogFormat.JSON else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -12,9 +12,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvtier.core import StoreUsage
 from kvtier.mechanism.io import IOStats, LoadKind
+from kvtier.server.pools import Pool
 
-# (pool id, stats) for each pool, plus the session count.
-Snapshot = Callable[[], tuple[list[tuple[str, StoreUsage]], int]]
+# (pool, its stats) for each pool.
+Snapshot = Callable[[], list[tuple[Pool, StoreUsage]]]
 # (pool id, reader stats, bytes read, bytes written) for each pool with a disk tier.
 DiskSnapshot = Callable[[], list[tuple[str, IOStats, int, int]]]
 # (pool id, tier, measured read bytes per second) for each pool and tier with a figure.
@@ -25,12 +26,13 @@ _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 
 
 class _StoreCollector:
-    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int]) -> None:
+    def __init__(self, snapshot: Snapshot, sessions: Callable[[], int]) -> None:
         self._snapshot = snapshot
-        self._page_bytes = page_bytes
+        self._sessions = sessions
 
     def collect(self) -> Iterator[Metric]:
-        pools, sessions = self._snapshot()
+        pools = [(pool.pool_id, pool.layout.page_bytes, stats) for pool, stats in self._snapshot()]
+        sessions = self._sessions()
         labels = ["pool", "tier"]
         capacity = GaugeMetricFamily("kvtier_tier_capacity_pages", "Pages a tier can hold.", labels=labels)
         capacity_bytes = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes of KV a tier can hold.", labels=labels)
@@ -46,8 +48,7 @@ class _StoreCollector:
         moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes copied between tiers.", labels=["pool", "src", "dst"])
         corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed their checksum.", labels=labels)
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
-        for pool_id, stats in pools:
-            page_bytes = self._page_bytes(pool_id)
+        for pool_id, page_bytes, stats in pools:
             misses.add_metric([pool_id], stats.miss_blocks)
             leases.add_metric([pool_id], stats.leases)
             for t in stats.tiers:
@@ -71,7 +72,7 @@ class _StoreCollector:
             "kvtier_acquire_pages", "Pages asked for by Acquire, by whether they were ready on arrival or had to load.",
             labels=["pool", "on_arrival"],
         )
-        for pool_id, stats in pools:
+        for pool_id, _, stats in pools:
             arrivals.add_metric([pool_id, "ready"], stats.ready_on_arrival)
             arrivals.add_metric([pool_id, "loaded"], stats.acquired_pages - stats.ready_on_arrival)
         yield arrivals
@@ -114,14 +115,11 @@ class _BandwidthCollector:
 
 
 class Metrics:
-    """The daemon's registry: store collector plus RPC latency by method and status code."""
+    """The daemon's registry: disk load and RPC latency as they happen, and (once `watch` is
+    called) the store, disk and bandwidth collectors read at scrape time."""
 
-    def __init__(self, snapshot: Snapshot, page_bytes: Callable[[str], int], disk_snapshot: DiskSnapshot,
-                 bandwidth_snapshot: BandwidthSnapshot) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(snapshot, page_bytes))
-        self.registry.register(_DiskCollector(disk_snapshot))
-        self.registry.register(_BandwidthCollector(bandwidth_snapshot))
         self.load_duration = Histogram(
             "kvtier_disk_load_duration_seconds",
             "Time from queueing a disk page load to the page being in host memory, by kind (acquire, prefetch) and result.",
@@ -136,6 +134,14 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+
+    def watch(self, snapshot: Snapshot, sessions: Callable[[], int], disk_snapshot: DiskSnapshot,
+              bandwidth_snapshot: BandwidthSnapshot) -> None:
+        """Read these at every scrape (the pool registry's snapshots and the session count).
+        A second step because the pools report their loads to `observe_load`."""
+        self.registry.register(_StoreCollector(snapshot, sessions))
+        self.registry.register(_DiskCollector(disk_snapshot))
+        self.registry.register(_BandwidthCollector(bandwidth_snapshot))
 
     def observe_load(self, kind: LoadKind, seconds: float, nbytes: int, ok: bool) -> None:
         """The pools' DiskReader observer."""

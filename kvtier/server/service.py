@@ -1,21 +1,31 @@
-"""The gRPC servicer: thin. Each method resolves the session, calls the core, and turns the
-result into a reply; core errors become status codes in one place (`_rpc`)."""
+"""The gRPC servicer: thin. Each method resolves the session, calls the core (or one of its
+typed collaborators: sessions, pools, auth, drain gate, metrics), and turns the result into a
+reply; errors become status codes in one place (`_rpc`)."""
 from __future__ import annotations
 
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import grpc
-from kvtier_client.errors import InvalidArgument, KVTierError, Unavailable
+from kvtier_client.errors import FailedPrecondition, InvalidArgument, KVTierError
+from kvtier_client.ids import LeaseId
+from kvtier_client.keys import ALGORITHMS, hash_fingerprint
+from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
-from kvtier_client.wire import layout_to_proto, tier_to_proto
+from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
 
-from kvtier.core import LeaseKind, StoreUsage
+from kvtier.core import StoreUsage, check_namespace
 from kvtier.mechanism.bandwidth import Throughput
+from kvtier.server.auth import Authorizer
+from kvtier.server.drain import DrainGate
+from kvtier.server.metrics import Metrics
+from kvtier.server.pools import Pool, PoolRegistry
+from kvtier.server.sessions import SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +53,12 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
             log.exception("internal error in %s", name)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; the daemon log has the details")
         finally:
-            self.daemon.metrics.rpc_duration.labels(name, code).observe(time.perf_counter() - start)
+            self.metrics.rpc_duration.labels(name, code).observe(time.perf_counter() - start)
 
     return wrapper
 
 
-def _tier_from_pb(value: int, pool) -> Tier:
+def _tier_from_pb(value: int, pool: Pool) -> Tier:
     if value in (pb.TIER_UNSPECIFIED, pb.TIER_HOST):
         return Tier.HOST
     if value == pb.TIER_DEVICE:
@@ -71,6 +81,22 @@ def _wait_timeout(request: pb.AcquireRequest) -> float | None:
     raise InvalidArgument(f"unknown wait policy {request.wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
+def _layout(request: pb.RegisterRequest) -> PageLayout:
+    """The request's page layout, once its key hashing is known to match ours."""
+    if request.hash_algorithm not in ALGORITHMS:
+        raise InvalidArgument(f"unknown hash_algorithm {request.hash_algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    expected = hash_fingerprint(request.hash_algorithm)
+    if request.hash_fingerprint != expected:
+        raise FailedPrecondition(
+            f"block-key fingerprint mismatch for {request.hash_algorithm}: client sent {request.hash_fingerprint!r}, "
+            f"daemon computes {expected}; the client's key hashing differs from docs/block-keys.md, upgrade or fix it"
+        )
+    try:
+        return layout_from_proto(request.layout)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> list[pb.TierStats]:
     return [
         pb.TierStats(
@@ -84,20 +110,25 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
     ]
 
 
+@dataclass(frozen=True, eq=False, kw_only=True)
 class KVTierService(kvtier_pb2_grpc.KVTierServicer):
-    def __init__(self, daemon) -> None:  # kvtier.server.daemon.Daemon (not imported: it imports us)
-        self.daemon = daemon
+    """The servicer and its typed collaborators; it keeps no state of its own."""
 
-    def _open(self):
-        """Refuse work that would take new pages while the daemon drains."""
-        if self.daemon.draining:
-            raise Unavailable("daemon is draining for shutdown; retry with backoff against its successor")
+    sessions: SessionManager
+    pools: PoolRegistry
+    auth: Authorizer
+    drain: DrainGate
+    metrics: Metrics
+    version: str
+    started: float  # time.monotonic() at daemon start, for the uptime in Stats
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        self._open()
-        session = self.daemon.register(request, context.invocation_metadata())
-        pool = session.pool
+        self.drain.check_open()
+        check_namespace(request.namespace)
+        self.auth.authorize(request.namespace, context.invocation_metadata())  # before anything else is checked or revealed
+        pool = self.pools.for_layout(_layout(request))
+        session = self.sessions.open(request.namespace, pool, request.client_name or "unnamed")
         tiers = [pb.TierInfo(tier=tier_to_proto(t.tier), capacity_pages=t.capacity) for t in pool.store.stats().tiers]
         return pb.RegisterResponse(
             session_id=session.session_id,
@@ -109,48 +140,48 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             device_ipc_handle=pool.device.ipc_handle if pool.device is not None else b"",
             device_arena_bytes=pool.device.size if pool.device is not None else 0,
             device_pci_bus_id=pool.device.pci_bus_id if pool.device is not None else "",
-            heartbeat_interval_ms=int(self.daemon.sessions.heartbeat_interval * 1000),
-            session_timeout_ms=int(self.daemon.sessions.timeout * 1000),
-            pool_id=pool.layout.layout_id,
+            heartbeat_interval_ms=int(self.sessions.heartbeat_interval * 1000),
+            session_timeout_ms=int(self.sessions.timeout * 1000),
+            pool_id=pool.pool_id,
         )
 
     @_rpc
     def Heartbeat(self, request, context) -> pb.HeartbeatResponse:
-        session = self.daemon.sessions.get(request.session_id)
+        session = self.sessions.get(request.session_id)
         return pb.HeartbeatResponse(leases=session.pool.store.session_leases(session.session_id))
 
     @_rpc
     def CloseSession(self, request, context) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(released_leases=self.daemon.sessions.close(request.session_id))
+        return pb.CloseSessionResponse(released_leases=self.sessions.close(request.session_id))
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        s = self.daemon.sessions.get(request.session_id)
+        s = self.sessions.get(request.session_id)
         result = s.pool.store.lookup(s.namespace, list(request.keys))
         return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
-        self._open()
-        s = self.daemon.sessions.get(request.session_id)
+        self.drain.check_open()
+        s = self.sessions.get(request.session_id)
         lease = s.pool.store.borrow(s.session_id, s.namespace, request.count)
-        self.daemon.check_still_open(s, lease.lease_id)
+        self.sessions.check_still_open(s, lease.lease_id)
         return pb.BorrowResponse(lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots)
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
-        s = self.daemon.sessions.get(request.session_id)
+        s = self.sessions.get(request.session_id)
         result = s.pool.store.commit(s.session_id, request.lease_id, list(request.keys), request.parent or None)
-        self.daemon.lease_ended()
+        self.drain.lease_ended()
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
 
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
-        self._open()
-        s = self.daemon.sessions.get(request.session_id)
+        self.drain.check_open()
+        s = self.sessions.get(request.session_id)
         tier = _tier_from_pb(request.tier, s.pool)
         lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier, _wait_timeout(request))
-        self.daemon.check_still_open(s, lease.lease_id)
+        self.sessions.check_still_open(s, lease.lease_id)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
             ready=lease.ready, promoted=lease.promoted,
@@ -159,15 +190,15 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:
-        s = self.daemon.sessions.get(request.session_id)
+        s = self.sessions.get(request.session_id)
         s.pool.store.release(s.session_id, request.lease_id)
-        self.daemon.lease_ended()
+        self.drain.lease_ended()
         return pb.ReleaseResponse()
 
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
-        self._open()
-        s = self.daemon.sessions.get(request.session_id)
+        self.drain.check_open()
+        s = self.sessions.get(request.session_id)
         tier = _tier_from_pb(request.tier, s.pool)
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
         accepted = s.pool.store.prefetch(s.session_id, s.namespace, list(request.keys), tier, request.priority)
@@ -175,18 +206,17 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Stats(self, request, context) -> pb.StatsResponse:
-        self.daemon.authenticate_any(context.invocation_metadata())
-        pools, sessions = self.daemon.snapshot()
-        reply = pb.StatsResponse(version=self.daemon.version, sessions=sessions, uptime_seconds=self.daemon.uptime())
-        for pool_id, stats in pools:
-            pool = self.daemon.pools[pool_id]
-            layout = pool.layout
+        self.auth.authenticate_any(context.invocation_metadata())
+        pools = self.pools.snapshot()
+        reply = pb.StatsResponse(version=self.version, sessions=self.sessions.count(),
+                                 uptime_seconds=time.monotonic() - self.started)
+        for pool, stats in pools:
             reply.leases += stats.leases
             reply.pools.append(
                 pb.PoolStats(
-                    pool_id=pool_id,
-                    layout=layout_to_proto(layout),
-                    page_bytes=layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
+                    pool_id=pool.pool_id,
+                    layout=layout_to_proto(pool.layout),
+                    page_bytes=pool.layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
                 )
             )
@@ -199,10 +229,10 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc(name="ReadPages")
     def _read_pages(self, request, context) -> list[pb.PageData]:
-        s = self.daemon.sessions.get(request.session_id)
-        # Copy out while the store holds the lease still; the stream is sent after.
-        with s.pool.store.lease_slots(s.session_id, request.lease_id, LeaseKind.READ) as slots:
-            return [pb.PageData(index=i, data=bytes(s.pool.host.page(slot))) for i, slot in enumerate(slots)]
+        s = self.sessions.get(request.session_id)
+        # Copied out while the store holds the lease still; the stream is sent after.
+        pages = s.pool.read_pages(s.session_id, LeaseId(request.lease_id))
+        return [pb.PageData(index=i, data=data) for i, data in enumerate(pages)]
 
     def WritePages(self, request_iterator, context) -> pb.WritePagesResponse:
         return self._write_pages(request_iterator, context)
@@ -212,18 +242,11 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("WritePages got no messages; send session_id and lease_id first")
-        s = self.daemon.sessions.get(first.session_id)
-        page_bytes = s.pool.layout.page_bytes
+        s = self.sessions.get(first.session_id)
         written = 0
         message = first
         while message is not None:
-            if len(message.data) != page_bytes:
-                raise InvalidArgument(f"page {message.index} has {len(message.data)} bytes, a page has {page_bytes}")
-            # Hold the lease per page: a concurrent release can never leave us writing a freed slot.
-            with s.pool.store.lease_slots(s.session_id, first.lease_id, LeaseKind.WRITE) as slots:
-                if not 0 <= message.index < len(slots):
-                    raise InvalidArgument(f"page index {message.index} outside the lease's {len(slots)} pages")
-                s.pool.host.page(slots[message.index])[:] = memoryview(message.data)
+            s.pool.write_page(s.session_id, LeaseId(first.lease_id), message.index, message.data)
             written += 1
             message = next(request_iterator, None)
         return pb.WritePagesResponse(pages=written)

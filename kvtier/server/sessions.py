@@ -11,16 +11,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier_client.errors import NotFound
+from kvtier_client.errors import KVTierError, NotFound
+from kvtier_client.ids import LeaseId, SessionId, short_session
 
-from kvtier.pool import Pool
+from kvtier.server.pools import Pool
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Session:
-    session_id: str
+    session_id: SessionId
     namespace: str
     pool: Pool
     client_name: str
@@ -30,10 +31,12 @@ class Session:
 class SessionManager:
     """Owns the session table and the reaper thread that expires silent sessions."""
 
-    def __init__(self, timeout: float, on_end: Callable[[Session, int, str], None]) -> None:
+    def __init__(self, timeout: float, on_release: Callable[[], None]) -> None:
         self.timeout = timeout
-        self._on_end = on_end  # (session, released leases, reason): for metrics and drain
-        self._sessions: dict[str, Session] = {}
+        # Called after leases were released here rather than by a Release or Commit call
+        # (a session ended, or a lease outlived its session): the drain gate listens.
+        self._on_release = on_release
+        self._sessions: dict[SessionId, Session] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvtier-session-reaper", daemon=True)
@@ -47,16 +50,16 @@ class SessionManager:
         self._reaper.start()
 
     def open(self, namespace: str, pool: Pool, client_name: str) -> Session:
-        session = Session(secrets.token_hex(16), namespace, pool, client_name)
+        session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name)
         with self._lock:
             self._sessions[session.session_id] = session
-        log.info("session opened", extra={"session": session.session_id[:8], "namespace": namespace, "client": client_name})
+        log.info("session opened", extra={"session": short_session(session.session_id), "namespace": namespace, "client": client_name})
         return session
 
     def get(self, session_id: str) -> Session:
         """The live session with this id, marked as seen now."""
         with self._lock:
-            session = self._sessions.get(session_id)
+            session = self._sessions.get(SessionId(session_id))
             if session is None:
                 raise NotFound(
                     "unknown session: it ended (closed, timed out, or the daemon restarted); register again"
@@ -67,17 +70,26 @@ class SessionManager:
     def close(self, session_id: str, reason: str = "closed") -> int:
         """End a session; returns how many leases were released."""
         with self._lock:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.pop(SessionId(session_id), None)
         if session is None:
             raise NotFound("unknown session: it already ended; register again")
         released = session.pool.store.end_session(session.session_id)
-        log.info("session ended", extra={"session": session_id[:8], "reason": reason, "released_leases": released})
-        self._on_end(session, released, reason)
+        log.info("session ended", extra={"session": short_session(session_id), "reason": reason, "released_leases": released})
+        self._on_release()
         return released
 
-    def is_open(self, session_id: str) -> bool:
+    def check_still_open(self, session: Session, lease_id: LeaseId) -> None:
+        """A lease granted while its session was ending (a long Acquire wait, a crash in the
+        middle of a Borrow) would outlive the session: release it and say so."""
         with self._lock:
-            return session_id in self._sessions
+            if session.session_id in self._sessions:
+                return
+        try:
+            session.pool.store.release(session.session_id, lease_id)
+        except KVTierError:
+            pass  # end_session released it already
+        self._on_release()
+        raise NotFound("the session ended while this call ran; register again")
 
     def count(self) -> int:
         with self._lock:

@@ -8,7 +8,7 @@ import numpy as np
 from kvtier_client.tiers import Tier
 
 from kvtier.core.invariants import check_invariants
-from kvtier.pool import Pool
+from kvtier.server.pools import Pool
 
 
 def pattern(key: bytes, nbytes: int, namespace: str = "") -> bytes:

@@ -26,7 +26,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.shm import SHM_DIR
 from kvtier_client.tiers import Tier
 
-from kvtier.pool import Pool, PoolConfig
+from kvtier.server.pools import Pool, PoolConfig
 
 from store_helpers import check, read_page, snapshot, write_page
 

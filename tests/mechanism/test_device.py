@@ -26,7 +26,7 @@ def test_nothing_to_copy():
 
 def test_daemon_and_client_import_without_cupy():
     code = (
-        "import sys, kvtier.pool, kvtier.server.daemon, kvtier_client, kvtier_client.device;"
+        "import sys, kvtier.server.pools, kvtier.server.daemon, kvtier_client, kvtier_client.device;"
         "sys.exit('cupy' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

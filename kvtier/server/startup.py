@@ -1,0 +1,154 @@
+"""Before the daemon serves: probe the machine for what the configuration asks (memory, disk,
+GPU, ports, certificates) and claim the socket path. Each refusal is a ConfigError whose one
+line says what to change; `kvtier serve` prints it and exits 2."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import stat
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.mechanism.device import cuda_device_count
+from kvtier.server.config import ConfigError, DaemonConfig, ListenConfig, TiersConfig
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: DaemonConfig) -> None:
+    """Refuse a configuration that cannot work, with a one-line reason (ConfigError)."""
+    listen, tiers = cfg.listen, cfg.tiers
+    if listen.tls_cert:
+        tls_credentials(listen)  # unreadable files fail now, not at bind time
+    try:
+        os.makedirs(tiers.cache_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cache_dir {tiers.cache_dir}: cannot create it ({exc.strerror})") from None
+    if not os.access(tiers.cache_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"cache_dir {tiers.cache_dir} is not writable by this user; choose another with --cache-dir")
+    shm = shutil.disk_usage("/dev/shm")
+    if tiers.host_size > shm.free:
+        raise ConfigError(
+            f"host_size {tiers.host_size >> 20} MiB exceeds the free shared memory in /dev/shm ({shm.free >> 20} MiB); "
+            "lower --host-size or enlarge /dev/shm"
+        )
+    available = _mem_available()
+    if available is not None and tiers.host_size > available:
+        raise ConfigError(f"host_size {tiers.host_size >> 20} MiB exceeds available RAM ({available >> 20} MiB); lower --host-size")
+    if tiers.disk_size:
+        free = shutil.disk_usage(tiers.cache_dir).free + _existing_slabs(tiers.cache_dir)
+        if tiers.disk_size > free:
+            raise ConfigError(
+                f"disk_size {tiers.disk_size >> 20} MiB exceeds the free space under {tiers.cache_dir} ({free >> 20} MiB); "
+                "lower --disk-size or choose another --cache-dir"
+            )
+    if tiers.device_size:
+        _check_device(tiers)
+    if listen.tcp:
+        _check_port(listen.tcp, "tcp")
+    if cfg.metrics.port:
+        _check_port(f"{cfg.metrics.host}:{cfg.metrics.port}", "metrics_port")
+    _claim_socket(listen.socket)
+
+
+def tls_credentials(listen: ListenConfig) -> grpc.ServerCredentials:
+    """The TCP listener's credentials from its PEM files (mutual TLS with tls_client_ca)."""
+    def read(path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+    client_ca = read(listen.tls_client_ca) if listen.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read(listen.tls_key), read(listen.tls_cert))], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def _check_device(tiers: TiersConfig) -> None:
+    count = cuda_device_count()
+    if not count:
+        raise ConfigError(
+            "device_size needs a CUDA GPU and CuPy (pip install 'kvtier[gpu]'); none found: "
+            "set device_size 0 for host and disk tiers only"
+        )
+    import cupy
+
+    if tiers.gpu >= count:
+        raise ConfigError(f"gpu {tiers.gpu} does not exist: this machine has {count} CUDA device(s) (0..{count - 1})")
+    with cupy.cuda.Device(tiers.gpu):
+        free, _ = cupy.cuda.runtime.memGetInfo()
+    if tiers.device_size > free:
+        raise ConfigError(f"device_size {tiers.device_size >> 20} MiB exceeds the free memory of GPU {tiers.gpu} ({free >> 20} MiB)")
+
+
+def _check_port(address: str, key: str) -> None:
+    """Refuse a TCP address this daemon cannot listen on (in use, not local, unresolvable)."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the real listener does
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}: cannot listen on {address} ({exc.strerror or exc}); stop what holds it or choose another port"
+        ) from None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _existing_slabs(cache_dir: str) -> int:
+    """Space our own slab files already take: reusing them needs no new space."""
+    total = 0
+    for entry in os.scandir(cache_dir):
+        slab = os.path.join(entry.path, "slab.bin")
+        if entry.is_dir() and os.path.exists(slab):
+            total += os.path.getsize(slab)
+    return total
+
+
+_SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, terminating NUL included
+
+
+def _claim_socket(path: str) -> None:
+    """Create the socket's directory; replace a stale socket file, refuse a live daemon's."""
+    if len(os.fsencode(path)) >= _SUN_PATH_MAX:
+        raise ConfigError(
+            f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most {_SUN_PATH_MAX - 1}: "
+            "choose a shorter --socket"
+        )
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o770, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"socket directory {directory}: cannot create it ({exc.strerror})") from None
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --socket")
+    channel = grpc.insecure_channel(f"unix:{path}")
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+    except grpc.RpcError:
+        log.info("replacing stale socket", extra={"socket": path})
+        os.unlink(path)
+        return
+    finally:
+        channel.close()
+    raise ConfigError(f"another kvtier daemon is serving {path}; stop it first or choose another --socket")
