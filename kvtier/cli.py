@@ -8,7 +8,6 @@ import sys
 import click
 
 from kvtier.admin import health_check, stats
-from kvtier.bench.cli import bench
 from kvtier.demo import demo
 from kvtier.replay.mooncake import read_trace, replay
 from kvtier.server.cli import serve
@@ -53,7 +52,25 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
         click.echo(f"  from {tier:<8} {rate:.4f}")
 
 
-main.add_command(bench)
+class _LazyBench(click.Command):
+    """`kvtier bench`: the benchmarks live in their own distribution (kvtier-bench, benchmarks/)
+    and are imported only when this command runs or shows its help, never by `kvtier serve`."""
+
+    def __init__(self) -> None:
+        super().__init__("bench", short_help="Benchmarks (the kvtier-bench distribution).")
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            from kvtier_bench.cli import bench
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("kvtier_bench", "kvtier_bench.cli"):
+                raise
+            raise click.ClickException("`kvtier bench` needs the benchmarks: install kvtier-bench "
+                                       "(pip install -e ./benchmarks)") from None
+        return bench.make_context(info_name, args, parent=parent, **extra)
+
+
+main.add_command(_LazyBench())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,7 @@ if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvtier-site .whl/*.whl
   export PYTHONPATH="/tmp/kvtier-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD:$PWD/client:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/client:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PYTHON" -c 'import sys; from kvtier_client.kernels import is_available; sys.exit(0 if is_available() else 1)'; then
   echo "gpu_check: no GPU here (needs CuPy importable and a CUDA device); nothing run" >&2
   exit 2
@@ -27,4 +27,4 @@ fi
 # -o addopts= : the project's defaults deselect gpu tests and need pytest-timeout.
 "$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rs \
   tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@"
-"$PYTHON" -m kvtier.bench.gpu
+"$PYTHON" -m kvtier_bench.gpu

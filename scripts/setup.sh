@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install kvtier, its client and the test tools from this checkout.
+# Create .venv and install kvtier, its client, its benchmarks (kvtier-bench, benchmarks/) and
+# the test tools from this checkout.
 # Torch is the pinned CPU build (torch==2.13.0). A second run installs nothing unless a
 # pyproject.toml changed (the stamp in .venv records what was installed).
 set -euo pipefail
@@ -7,11 +8,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.kvtier-setup
-want=$(cat pyproject.toml client/pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml client/pyproject.toml benchmarks/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
-echo "setting up .venv (kvtier, kvtier-client, test tools, torch==2.13.0 CPU)..." >&2
+echo "setting up .venv (kvtier, kvtier-client, kvtier-bench, test tools, torch==2.13.0 CPU)..." >&2
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ./client -e '.[dev,bench]' 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e ./client -e '.[dev]' -e ./benchmarks 'torch==2.13.0'
 echo "$want" >"$stamp"

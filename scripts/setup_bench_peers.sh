@@ -15,7 +15,7 @@
 #                     libfabric1, which its shared libraries link against
 #   LMCache           PyPI `lmcache` into its own venv, .venv-lmcache: it pins numpy<=2.2.6 and
 #                     protobuf<7, which kvtier's protobuf>=7 cannot share a venv with; the bench
-#                     drives it through kvtier/bench/lmcache_driver.py run by that venv's Python
+#                     drives it through benchmarks/kvtier_bench/lmcache_driver.py run by that venv's Python
 #                     (torch is the same CPU build, torch==2.13.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."

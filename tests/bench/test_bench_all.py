@@ -8,15 +8,15 @@ import types
 import pytest
 from click.testing import CliRunner
 
-import kvtier.bench
-from kvtier.bench.all import SECTIONS, Settings, run_all
+import kvtier_bench
+from kvtier_bench.all import SECTIONS, Settings, run_all
 from kvtier.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _fake_e2e(monkeypatch, *, fail: bool = False) -> None:
-    """Stand in for kvtier.bench.e2e (another benchmark, minutes of CPU prefill)."""
+    """Stand in for kvtier_bench.e2e (another benchmark, minutes of CPU prefill)."""
 
     def path(ms: float) -> dict:
         return {"ttft_seconds": ms / 1e3, "load_seconds": 0.0, "prefill_seconds": ms / 1e3}
@@ -34,8 +34,8 @@ def _fake_e2e(monkeypatch, *, fail: bool = False) -> None:
         return Result()
 
     fake = types.SimpleNamespace(run_e2e=run_e2e, format_table=lambda result: "| fake e2e table |")
-    monkeypatch.setitem(sys.modules, "kvtier.bench.e2e", fake)
-    monkeypatch.setattr(kvtier.bench, "e2e", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "kvtier_bench.e2e", fake)
+    monkeypatch.setattr(kvtier_bench, "e2e", fake, raising=False)
 
 
 def _trace(tmp_path) -> str:
@@ -123,9 +123,9 @@ def test_unknown_section_in_the_api_is_a_value_error(tmp_path):
 
 
 def test_the_cli_works_when_the_e2e_module_does_not_load(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kvtier.bench.e2e", None)  # any import of it fails
+    monkeypatch.setitem(sys.modules, "kvtier_bench.e2e", None)  # any import of it fails
     listing = CliRunner().invoke(main, ["bench", "--help"])
     assert listing.exit_code == 0 and "peers" in listing.output and "trace" in listing.output
 
     e2e = CliRunner().invoke(main, ["bench", "e2e", "--quick"])
-    assert e2e.exit_code == 1 and "kvtier.bench.e2e does not load" in e2e.output
+    assert e2e.exit_code == 1 and "kvtier_bench.e2e does not load" in e2e.output

@@ -7,14 +7,14 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.disk import (
+from kvtier_bench.disk import (
     BANDWIDTH_OPS,
     COLUMNS,
     PREFIX_COLUMNS,
     PREFIX_OPS,
     prefix_pages_for,
 )
-from kvtier.bench.tiers import layout_for
+from kvtier_bench.harness import layout_for
 from kvtier.cli import main
 
 KiB, MiB = 1024, 1024 * 1024

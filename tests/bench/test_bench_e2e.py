@@ -1,4 +1,4 @@
-"""`kvtier.bench.e2e` on a tiny model and short prompts: the plumbing and the logits check,
+"""`kvtier_bench.e2e` on a tiny model and short prompts: the plumbing and the logits check,
 never the speeds."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from click.testing import CliRunner
 
-from kvtier.bench.e2e import ARENA_PREFIX, COLUMNS, ModelSpec, command, format_table, run_e2e
+from kvtier_bench.e2e import ARENA_PREFIX, COLUMNS, ModelSpec, command, format_table, run_e2e
 
 TINY = ModelSpec(hidden_size=64, layers=2, attention_heads=4, kv_heads=2, intermediate_size=128, vocab_size=256)
 

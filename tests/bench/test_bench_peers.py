@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench import peers
-from kvtier.bench.peers import (
+from kvtier_bench.peers import bench as peers
+from kvtier_bench.peers.bench import (
     System,
     format_markdown,
     format_table,
-    redis_server_binary,
     run_peers,
 )
+from kvtier_bench.peers.redis import redis_server_binary
 from kvtier.cli import main
 
 KIB64 = 64 * 1024

@@ -7,7 +7,8 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.tiers import COLUMNS, OPS, layout_for
+from kvtier_bench.harness import layout_for
+from kvtier_bench.tiers import COLUMNS, OPS
 from kvtier.units import parse_size
 from kvtier.cli import main
 

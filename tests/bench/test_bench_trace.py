@@ -7,7 +7,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.trace import (
+from kvtier_bench.trace import (
     DEFAULT_TRACE,
     belady_hits,
     format_markdown,

@@ -1,7 +1,7 @@
 """Control-plane benchmark: latency of batched kvtier RPCs over the Unix socket against a
 bare gRPC echo call measured in the same run, and pages per second through batched calls.
 
-Both servers are real subprocesses (`kvtier serve`, `kvtier.bench.echo`); the client uses the
+Both servers are real subprocesses (`kvtier serve`, `kvtier_bench.echo`); the client uses the
 generated stubs directly so the figures are the daemon's cost, not the SDK's.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvtier_client.keys import block_keys, hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
-from kvtier.bench.echo import echo_stub
+from kvtier_bench.echo import echo_stub
 
 LAYOUT = pb.PageLayout(layers=4, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")  # 32 KiB pages
 
@@ -70,7 +70,7 @@ def run_rpc_bench(iterations: int = 500, keys_per_call: int = 64) -> dict:
              "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        echo = subprocess.Popen([sys.executable, "-m", "kvtier.bench.echo", echo_sock], stdout=subprocess.DEVNULL)
+        echo = subprocess.Popen([sys.executable, "-m", "kvtier_bench.echo", echo_sock], stdout=subprocess.DEVNULL)
         try:
             _wait_socket(sock, daemon)
             _wait_socket(echo_sock, echo)

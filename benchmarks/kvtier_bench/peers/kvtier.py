@@ -5,9 +5,10 @@ its host arena, the way an engine on the same host uses kvtier.
          (the client's shared-memory mapping), commit under 16 keys
     get  acquire 16 keys, np.copyto each lease page view into the engine's buffer, release
 
-`KvtierPages` is that store; `kvtier bench peers` uses it as the kvtier row, and
-`run_client_host` measures it against np.copyto into the same arena pages (the tiers
-benchmark's host rows through the daemon instead of an in-process Pool).
+`KvtierPages` is that store; `KvtierStore` is the peers benchmark's PageStore over it (the
+kvtier rows, the mapping or, with `remote`, the gRPC slow path), and the tiers benchmark's
+`run_client_host` measures it against np.copyto into the same arena pages (the host rows
+through the daemon instead of an in-process Pool).
 
 Every repetition gets a fresh daemon whose host tier holds exactly the pages moved, so
 nothing is evicted while measuring; before timing, every slot is written once through
@@ -16,10 +17,6 @@ the client's mapping (and the baseline's), so neither side pays first-touch page
 from __future__ import annotations
 
 import shutil
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +25,11 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.remote import RemotePages
 from kvtier_client.views import HostArenaView
 
-from kvtier.bench.services import kvtier_daemon
-from kvtier.bench.tiers import BATCH, OpResult, Rate
+from kvtier_bench.harness import BATCH, batches, package_version
+from kvtier_bench.peers.base import Context, page_key
+from kvtier_bench.services import kvtier_daemon
 
 NAMESPACE = "bench"
-
-
-def batches(pages: int, batch: int = BATCH) -> list[tuple[int, int]]:
-    return [(start, min(batch, pages - start)) for start in range(0, pages, batch)]
-
-
-def page_key(rep: int, i: int) -> bytes:
-    return b"bench" + rep.to_bytes(4, "little") + i.to_bytes(8, "little")
 
 
 def raw(page: np.ndarray) -> np.ndarray:
@@ -129,91 +119,32 @@ class KvtierPages:
         return HostArenaView.open(info.host_arena, info.host_arena_bytes, info.layout, info.page_bytes, info.slot_bytes)
 
 
-def verify(engine: np.ndarray, sink: np.ndarray, pages: int, what: str) -> None:
-    """Outside the timings: the pages that landed last in each sink slot are the engine's."""
-    ring = len(engine)
-    for i in range(max(0, pages - ring), pages):
-        if not np.array_equal(sink[i % ring], engine[i % ring]):
-            raise RuntimeError(f"{what}: page {i} came back with other bytes")
+class KvtierStore:
+    """A fresh daemon per repetition (host tier = the pages moved), the client's mapping or its gRPC slow path."""
+
+    def __init__(self, ctx: Context, remote: bool) -> None:
+        self.ctx, self.remote = ctx, remote
+        self.store: KvtierPages | None = None
+        self.prepare(-1)  # fail now if the daemon cannot start
+
+    def prepare(self, rep: int) -> None:
+        self.close()
+        workdir = self.ctx.workdir / f"kvtier{'-remote' if self.remote else ''}-{rep + 1}"
+        self.store = KvtierPages(workdir, self.ctx.layout, self.ctx.pages, remote=self.remote, batch=self.ctx.batch)
+        self.store.warm()
+
+    def put(self, rep: int) -> None:
+        self.store.put(rep, self.ctx.engine)
+
+    def get(self, rep: int) -> None:
+        self.store.get(rep, self.ctx.sink)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            shutil.rmtree(self.store.workdir, ignore_errors=True)
+            self.store = None
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-CLIENT_OPS = ("host put (client)", "host get (client)")
-
-
-def _client_rep(store: KvtierPages, arena: HostArenaView, engine: np.ndarray, sink: np.ndarray,
-                rep: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """One repetition: ((tier put, baseline put), (tier get, baseline get)) in seconds. The
-    baseline copies into and out of the slots the tier used (`store.slots` after its put),
-    so both sides touch the same arena pages; odd repetitions time the tier first."""
-    ring = len(engine)
-
-    def base_put(order: Sequence[int]) -> None:
-        for i, slot in enumerate(order):
-            np.copyto(arena.raw(slot, writable=True), engine[i % ring])
-
-    def base_get(order: Sequence[int]) -> None:
-        for i, slot in enumerate(order):
-            np.copyto(sink[i % ring], arena.raw(slot, writable=False))
-
-    def tier_get() -> None:
-        store.get(rep, sink)
-
-    base_put(range(store.pages))  # warm the bench's own mapping, untimed
-    if rep % 2:
-        tier_put = _timed(partial(store.put, rep, engine))
-        b_put = _timed(partial(base_put, store.slots))
-        t_get = _timed(tier_get)
-        verify(engine, sink, store.pages, "kvtier get through the client")
-        b_get = _timed(partial(base_get, store.slots))
-    else:
-        b_put = _timed(partial(base_put, range(store.pages)))
-        tier_put = _timed(partial(store.put, rep, engine))
-        b_get = _timed(partial(base_get, store.slots))
-        t_get = _timed(tier_get)
-        verify(engine, sink, store.pages, "kvtier get through the client")
-    return (tier_put, b_put), (t_get, b_get)
-
-
-def run_client_host(
-    page_bytes: int,
-    layout: PageLayout,
-    pages: int,
-    engine: np.ndarray,
-    sink: np.ndarray,
-    *,
-    reps: int,
-    root: Path,
-    batch: int = BATCH,
-    progress: Callable[[str], None] = lambda message: None,
-) -> list[OpResult]:
-    """Host put and get through a daemon subprocess and the client's mapping, each next to
-    np.copyto into / out of the same arena pages (mapped by this process), medians over `reps`."""
-    seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in CLIENT_OPS}
-    for rep in range(reps):
-        progress(f"{page_bytes // 1024} KiB through the daemon and client: repetition {rep + 1} of {reps}")
-        workdir = root / f"client-{page_bytes}-{rep}"
-        with KvtierPages(workdir, layout, pages, batch=batch) as store:
-            store.warm()
-            arena = store.arena()
-            try:
-                put, get = _client_rep(store, arena, engine, sink, rep)
-            finally:
-                arena.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-        seconds["host put (client)"].append(put)
-        seconds["host get (client)"].append(get)
-    return [
-        OpResult(page_bytes, op, Rate(pages, page_bytes, statistics.median(t for t, _ in seconds[op])),
-                 Rate(pages, page_bytes, statistics.median(b for _, b in seconds[op])))
-        for op in CLIENT_OPS
-    ]
-
-
-def median_rate(pages: int, page_bytes: int, samples: Sequence[float]) -> Rate:
-    return Rate(pages, page_bytes, statistics.median(samples))
+def version() -> str | None:
+    return package_version("kvtier")

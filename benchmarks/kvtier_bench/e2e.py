@@ -31,7 +31,6 @@ glibc's defaults.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import glob
 import json
 import os
@@ -45,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 
 import click
 
-from kvtier.bench.tiers import filesystem_of, format_size, machine_info
-from kvtier.child import ChildDaemon
+from kvtier_bench.harness import bench_dir, filesystem_of, format_size, machine_info, utc_now
+from kvtier_bench.internals import ChildDaemon, open_direct
 
 DEFAULT_LENGTHS = (2048, 4096, 8192)
 QUICK_LENGTHS = (2048, 4096)
@@ -217,8 +216,6 @@ def _drop_page_cache(cache_dir: str) -> None:
 
 
 def _direct_io_works(directory: str) -> bool:
-    from kvtier.mechanism.directio import open_direct
-
     path = os.path.join(directory, f".direct-probe-{uuid.uuid4().hex[:8]}")
     try:
         fd, direct = open_direct(path, os.O_RDWR | os.O_CREAT)
@@ -327,7 +324,7 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
     max_blocks = max(lengths) // B
     host_bytes = (2 * max_blocks + 8) * layout.slot_bytes
     disk_bytes = (2 * sum(n // B for n in lengths) + 16) * layout.slot_bytes
-    parent = directory or ("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
+    parent = bench_dir(directory)
     root = tempfile.mkdtemp(prefix="kvtier-bench-e2e-", dir=parent)
     rows: list[LengthResult] = []
     planner_name = "LoadEverything" if load_all else "Planner (measured prefill rate and tier bandwidths)"
@@ -368,7 +365,7 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
         cuda=bool(torch.cuda.is_available()), load_average=[load_before, os.getloadavg()[0]],
     )
     return E2EResult(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=utc_now(),
         machine=machine, model=spec, page_bytes=layout.page_bytes, reps=reps, planner=planner_name, keep_heap=keep_heap,
         directory=parent, filesystem=filesystem_of(parent), direct_io=direct,
         host_bytes=host_bytes, disk_bytes=disk_bytes, rows=tuple(rows),

@@ -2,7 +2,7 @@
 socket), same process setup (a separate Python process with a thread-pool server) as the
 daemon, no work: whatever a kvtier RPC costs beyond this is kvtier's own.
 
-    python -m kvtier.bench.echo /path/to/echo.sock
+    python -m kvtier_bench.echo /path/to/echo.sock
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent import futures
 
 import grpc
 
-METHOD = "/kvtier.bench.Echo/Echo"
+METHOD = "/kvtier_bench.Echo/Echo"
 
 
 def identity(data: bytes) -> bytes:
@@ -40,7 +40,7 @@ def serve_bytes(service: str, methods: dict[str, Callable[[bytes, grpc.ServicerC
 
 
 def serve(socket_path: str) -> None:
-    serve_bytes("kvtier.bench.Echo", {"Echo": lambda request, context: request}, f"unix:{socket_path}")
+    serve_bytes("kvtier_bench.Echo", {"Echo": lambda request, context: request}, f"unix:{socket_path}")
 
 
 def echo_stub(channel: grpc.Channel):

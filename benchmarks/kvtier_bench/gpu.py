@@ -11,7 +11,7 @@ plain CUDA copy of the same bytes in the same run.
 
 Each figure is the median of several runs after a warm-up; nothing here asserts a speed.
 
-Run with ``python -m kvtier.bench.gpu`` (scripts/gpu_check.sh does); it exits with a message
+Run with ``python -m kvtier_bench.gpu`` (scripts/gpu_check.sh does); it exits with a message
 and status 2 where there is no GPU.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main() -> int:
     if not kernels.is_available():
-        print("kvtier.bench.gpu: no GPU here (needs CuPy and a CUDA device); nothing measured", file=sys.stderr)
+        print("kvtier_bench.gpu: no GPU here (needs CuPy and a CUDA device); nothing measured", file=sys.stderr)
         return 2
     import cupy
 

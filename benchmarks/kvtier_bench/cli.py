@@ -1,4 +1,4 @@
-"""`kvtier bench`: measurements of kvtier's own parts on this machine."""
+"""`kvtier bench` (also installed as `kvtier-bench`): measurements of kvtier's own parts on this machine."""
 from __future__ import annotations
 
 import contextlib
@@ -11,22 +11,14 @@ import sys
 
 import click
 
-from kvtier.bench import all as all_bench
-from kvtier.bench import disk as disk_bench
-from kvtier.bench import peers as peers_bench
-from kvtier.bench import trace as trace_bench
-from kvtier.bench.rpc import render_rpc, run_rpc_bench
-from kvtier.bench.tiers import (
-    DEFAULT_BYTES,
-    DEFAULT_PAGE_SIZES,
-    DEFAULT_REPS,
-    QUICK_BYTES,
-    format_size,
-    format_table,
-    run_tiers,
-)
-from kvtier.mechanism.disk import FsyncPolicy
-from kvtier.units import parse_size
+from kvtier_bench import all as all_bench
+from kvtier_bench import disk as disk_bench
+from kvtier_bench import trace as trace_bench
+from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
+from kvtier_bench.internals import FsyncPolicy, parse_size
+from kvtier_bench.peers import bench as peers_bench
+from kvtier_bench.rpc import render_rpc, run_rpc_bench
+from kvtier_bench.tiers import DEFAULT_BYTES, DEFAULT_PAGE_SIZES, DEFAULT_REPS, QUICK_BYTES, format_table, run_tiers
 
 
 class _Size(click.ParamType):
@@ -64,11 +56,6 @@ def _page_bench_options(pages_note: str = ""):
     return decorate
 
 
-def _progress(as_json: bool):
-    """Progress lines on stderr, silent when the output is JSON."""
-    return (lambda message: None) if as_json else (lambda message: click.echo(f"... {message}", err=True))
-
-
 @contextlib.contextmanager
 def _stop_on_sigterm():
     """While inside, SIGTERM ends the benchmark like Ctrl-C does: through its clean-up, which
@@ -81,11 +68,10 @@ def _stop_on_sigterm():
 
 
 class _BenchGroup(click.Group):
-    """`kvtier bench`, whose `e2e` command (kvtier/bench/e2e.py: torch, transformers) is imported
-    only when it is asked for: every other command, and `kvtier serve` which shares this CLI,
-    works whatever state that module is in."""
+    """`kvtier bench`, whose `e2e` command (kvtier_bench/e2e.py: torch, transformers) is imported
+    only when it is asked for: every other command works whatever state that module is in."""
 
-    LAZY = {"e2e": ("kvtier.bench.e2e", "command")}
+    LAZY = {"e2e": ("kvtier_bench.e2e", "command")}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
@@ -107,7 +93,7 @@ class _BenchGroup(click.Group):
             return unavailable
 
 
-@click.group(cls=_BenchGroup)
+@click.group(cls=_BenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
     """Benchmarks of kvtier's tiers against the raw operations they are built on."""
 
@@ -130,7 +116,7 @@ def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str
             quick=quick,
             directory=os.path.abspath(directory) if directory else None,
             through_daemon=through_daemon,
-            progress=_progress(as_json),
+            progress=progress_lines(as_json),
         )
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -173,7 +159,7 @@ def disk_command(pages: int | None, page_sizes: tuple[int, ...], io_depth: int, 
             fsync=fsync,
             quick=quick,
             directory=os.path.abspath(directory) if directory else None,
-            progress=_progress(as_json),
+            progress=progress_lines(as_json),
         )
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -202,7 +188,7 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
     try:
         with _stop_on_sigterm():
             result = peers_bench.run_peers(page_sizes or peers_bench.PAGE_SIZES, pages=pages, quick=quick, reps=reps,
-                                           systems=systems or peers_bench.SYSTEM_NAMES, progress=_progress(as_json))
+                                           systems=systems or peers_bench.SYSTEM_NAMES, progress=progress_lines(as_json))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result.as_dict()) if as_json else peers_bench.format_table(result))
@@ -221,7 +207,7 @@ def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str |
     one tier and host + a 10x disk tier, through the real BlockStore, with the
     infinite-capacity hit rate and offline Belady (one tier) for reference."""
     try:
-        result = trace_bench.run_trace(trace_path, capacities=capacities or None, quick=quick, progress=_progress(as_json))
+        result = trace_bench.run_trace(trace_path, capacities=capacities or None, quick=quick, progress=progress_lines(as_json))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     if plot_path:
@@ -251,9 +237,9 @@ def all_command(quick: bool, out: str | None, sections: tuple[str, ...], skip: t
         + "".join(f" --skip {s}" for s in skip)
     with _stop_on_sigterm():
         document = all_bench.run_all(out, quick=quick, sections=chosen, settings=settings, command=command,
-                                     progress=all_bench.stderr_progress())
+                                     progress=stderr_progress())
     failed = [name for name, entry in document["sections"].items() if not entry["ok"]]
-    click.echo(f"results in {out or all_bench.default_out()}: "
+    click.echo(f"results in {out or default_out()}: "
                + ", ".join(f"{n} {'ok' if e['ok'] else 'FAILED'}" for n, e in document["sections"].items()))
     for t in document["targets"]:
         measured = "-" if t["measured"] is None else f"{t['measured']:.2f}"

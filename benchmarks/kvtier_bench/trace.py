@@ -17,7 +17,6 @@ request order. Figures are exact counts, not timings, so the replays run in para
 """
 from __future__ import annotations
 
-import datetime
 import heapq
 import os
 from collections.abc import Callable, Sequence
@@ -25,7 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, read_trace, replay
+from kvtier_bench.harness import utc_now
+from kvtier_bench.internals import TRACE_BLOCK_TOKENS, read_trace, replay
 
 #: Where every developer machine and CI have the trace (never copied into the repository).
 DEFAULT_TRACE = Path(os.environ.get("KVTIER_MOONCAKE_TRACE", "/work/shared/data/mooncake/conversation_trace.jsonl"))
@@ -237,7 +237,7 @@ def run_trace(
         Point(c, c * disk_factor, {n: rates[c][n] for n in order if n in rates[c]}, tiers[c]) for c in capacities
     )
     return TraceResult(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=utc_now(),
         trace=path,
         requests=len(requests),
         blocks=blocks,

@@ -1,5 +1,5 @@
 """Processes the benchmarks start and stop: a `kvtier serve` daemon, peer servers on
-loopback; and the description of the machine every result carries.
+loopback.
 
 Every process runs with its output in a log file under the benchmark's temporary
 directory; a process that exits before it serves raises `ServiceError` with the end of
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -19,8 +18,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from kvtier.bench.tiers import filesystem_of, machine_info
 
 
 class ServiceError(RuntimeError):
@@ -122,72 +119,3 @@ def kvtier_daemon(workdir: Path, *, host_bytes: int, name: str = "kvtier", timeo
     service.on_stop.append(lambda: shutil.rmtree(sockdir, ignore_errors=True))
     service.wait_until(sock.exists, timeout, f"serving on {sock}")
     return service, f"unix://{sock}"
-
-
-# -- machine ------------------------------------------------------------------
-def _package_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_description(bench_dir: str | None = None) -> dict:
-    """What the results were measured on: CPU, cores, RAM, kernel, the bench directory's
-    filesystem and /dev/shm's, Python and library versions, the load when measured."""
-    info = machine_info()
-    bench_dir = bench_dir or ("/var/tmp" if os.path.isdir("/var/tmp") else "/tmp")
-    info.update({
-        "machine": platform.machine(),
-        "os": platform.platform(terse=True),
-        "bench_dir": bench_dir,
-        "bench_dir_filesystem": filesystem_of(bench_dir),
-        "bench_dir_free_bytes": shutil.disk_usage(bench_dir).free,
-        "shm_filesystem": filesystem_of("/dev/shm") if os.path.isdir("/dev/shm") else None,
-        "loadavg": list(os.getloadavg()),
-        "versions": {
-            "python": platform.python_version(),
-            "kvtier": _package_version("kvtier"),
-            "numpy": _package_version("numpy"),
-            "torch": _package_version("torch"),
-            "grpcio": _package_version("grpcio"),
-            "matplotlib": _package_version("matplotlib"),
-        },
-    })
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor") as f:
-            info["cpu_governor"] = f.read().strip()
-    except OSError:
-        pass
-    if os.path.exists("/sys/hypervisor/type") or _cpu_flag("hypervisor"):
-        info["virtualised"] = True
-    return info
-
-
-def _cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return flag in line.split()
-    except OSError:
-        pass
-    return False
-
-
-def describe_machine(m: dict) -> str:
-    """One line for a table header."""
-    parts = [f"{m['nproc']} CPUs ({m['cpu']})", f"{m['ram_bytes'] / 2**30:.1f} GiB RAM", f"Linux {m['kernel']}"]
-    if m.get("virtualised"):
-        parts.append("virtualised")
-    if "bench_dir" in m:
-        parts.append(f"disk {m['bench_dir']} on {m['bench_dir_filesystem']}")
-    versions = m.get("versions", {})
-    parts.append(f"Python {versions.get('python', m.get('python'))}")
-    if versions.get("torch"):
-        parts.append(f"torch {versions['torch']}")
-    if "loadavg" in m:
-        parts.append("load " + " ".join(f"{x:.1f}" for x in m["loadavg"]))
-    return ", ".join(parts)

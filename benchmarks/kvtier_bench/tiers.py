@@ -1,6 +1,6 @@
 """Tier benchmark: what a page costs through a real pool, next to the raw operation under it.
 
-For each page size, every repetition builds a fresh `kvtier.pool.Pool` (a real /dev/shm
+For each page size, every repetition builds a fresh `kvtier.server.pools.Pool` (a real /dev/shm
 arena, a real disk tier under the bench directory, write-back, fsync on) and measures, in
 the same run and on the same buffers, each tier operation and its baseline:
 
@@ -25,56 +25,47 @@ operation. Each figure is the median over repetitions. Nothing here asserts a sp
 """
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import shutil
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
+from kvtier_client.views import HostArenaView
 
-from kvtier.core import WriteGrant
-from kvtier.mechanism.directio import open_direct
-from kvtier.pool import Pool, PoolConfig
+from kvtier_bench.harness import (
+    BATCH,
+    ENGINE_RING_BYTES,
+    KiB,
+    MiB,
+    OpResult,
+    batches,
+    bench_dir,
+    drop_cache,
+    filesystem_of,
+    format_size,
+    layout_for,
+    machine_info,
+    median_pair,
+    timed,
+    utc_now,
+    verify,
+)
+from kvtier_bench.internals import WriteGrant, bench_pool, open_direct
+from kvtier_bench.peers.kvtier import KvtierPages
 
-KiB = 1024
-MiB = 1024 * KiB
-
-#: Pages per borrow / acquire: a 256-token request with 16-token blocks.
-BATCH = 16
 #: Without --pages, each page size moves this many bytes per measurement (long enough to
 #: dwarf timer and scheduler noise, and far larger than any CPU cache).
 DEFAULT_BYTES = 1024 * MiB
 QUICK_BYTES = 64 * MiB
 DEFAULT_REPS = 5
-#: Engine-side buffers are a ring of at most this many bytes (at least one page).
-ENGINE_RING_BYTES = 256 * MiB
-
 _NAMESPACE = "bench"
 _SESSION = "bench"
-
-#: Realistic layouts for the default sizes; page_bytes is exactly the key.
-NAMED_LAYOUTS: dict[int, tuple[str, PageLayout]] = {
-    64 * KiB: (
-        "one layer of a Llama-3-8B 16-token block (a vLLM per-layer block), fp16",
-        PageLayout(layers=1, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16"),
-    ),
-    256 * KiB: (
-        "Llama-3.2-1B shape, 8-token blocks, fp16",
-        PageLayout(layers=16, kv_heads=8, head_dim=64, block_tokens=8, dtype="float16"),
-    ),
-    2 * MiB: (
-        "Llama-3-8B shape, 16-token blocks, fp16",
-        PageLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16"),
-    ),
-}
 DEFAULT_PAGE_SIZES = (256 * KiB, 2 * MiB)
 
 OPS = ("host put", "host get", "disk write", "disk read")
@@ -84,61 +75,11 @@ BASELINES = {
     "disk write": "O_DIRECT pwrite",
     "disk read": "O_DIRECT pread",
     # With through_daemon: the same host ops through a `kvtier serve` subprocess and the
-    # client's shared-memory mapping (kvtier.bench.clientpath).
+    # client's shared-memory mapping (run_client_host).
     "host put (client)": "np.copyto",
     "host get (client)": "np.copyto",
 }
-
-def format_size(nbytes: int) -> str:
-    for unit, size in (("GiB", 1024 * MiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes % size == 0:
-            return f"{nbytes // size} {unit}"
-    return f"{nbytes} B"
-
-
-def layout_for(page_bytes: int) -> tuple[str, PageLayout]:
-    """A layout whose page_bytes is exactly `page_bytes`: a real model's shape where we know
-    one, else a one-layer uint8 layout (K and V of one token, head_dim = page_bytes / 2)."""
-    if page_bytes in NAMED_LAYOUTS:
-        return NAMED_LAYOUTS[page_bytes]
-    if page_bytes < 2 or page_bytes % 2:
-        raise ValueError(f"page size must be an even number of bytes (K and V halves), got {page_bytes}")
-    return "generic uint8 layout", PageLayout(layers=1, kv_heads=1, head_dim=page_bytes // 2, block_tokens=1, dtype="uint8")
-
-
-@dataclass(frozen=True)
-class Rate:
-    """`pages` pages of `page_bytes` each moved in `seconds`."""
-
-    pages: int
-    page_bytes: int
-    seconds: float
-
-    @property
-    def pages_per_s(self) -> float:
-        return self.pages / max(self.seconds, 1e-9)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.pages * self.page_bytes / max(self.seconds, 1e-9) / 1e9
-
-    def as_dict(self) -> dict:
-        return {"seconds": self.seconds, "pages_per_s": self.pages_per_s, "gb_per_s": self.gb_per_s}
-
-
-@dataclass(frozen=True)
-class OpResult:
-    """One row of a bench: `tier` and `baseline` moved the same pages; medians over repetitions."""
-
-    page_bytes: int
-    op: str
-    tier: Rate
-    baseline: Rate
-
-    @property
-    def ratio(self) -> float:
-        """Tier throughput over baseline throughput (equally: baseline time over tier time)."""
-        return self.tier.pages_per_s / self.baseline.pages_per_s
+CLIENT_OPS = ("host put (client)", "host get (client)")
 
 
 def default_pages(page_bytes: int, quick: bool = False) -> int:
@@ -214,64 +155,6 @@ class BenchResult:
         }
 
 
-# -- machine ----------------------------------------------------------------
-def filesystem_of(path: str) -> str:
-    """'<type> on <device>' of the mount holding `path` (longest mount point prefix)."""
-    path = os.path.realpath(path)
-    best = ("", "unknown", "unknown")
-    with open("/proc/mounts") as f:
-        for line in f:
-            device, mount, fstype = line.split()[:3]
-            mount = mount.replace("\\040", " ")
-            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) >= len(best[0]):
-                best = (mount, fstype, device)
-    return f"{best[1]} on {best[2]}"
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "ram_bytes": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-    }
-
-
-# -- measurements -----------------------------------------------------------
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _batches(pages: int) -> list[tuple[int, int]]:
-    return [(start, min(BATCH, pages - start)) for start in range(0, pages, BATCH)]
-
-
-def _drop_cache(path: str) -> None:
-    """Drop a file's clean pages from the page cache (buffered fallback only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class _Rep:
     """One repetition for one layout: a fresh pool and a fresh raw file in `workdir`."""
 
@@ -282,18 +165,7 @@ class _Rep:
         self.engine = engine  # source of puts: the engine's KV, a ring of pages
         self.sink = sink  # destination of gets
         self.keys = [i.to_bytes(8, "little") for i in range(pages)]
-        self.pool = Pool(
-            layout,
-            PoolConfig(
-                host_bytes=pages * layout.slot_bytes,
-                disk_bytes=pages * layout.slot_bytes,
-                disk_dir=os.path.join(workdir, "tier"),
-                policy="lru",
-                write_through=False,
-                fsync="batch",
-                arena_prefix=f"kvtier-bench-{os.getpid()}",
-            ),
-        )
+        self.pool = bench_pool(layout, pages, workdir)
         self.store = self.pool.store
         self.host = self.pool.host
         self._write_leases: list[WriteGrant] = []
@@ -326,20 +198,20 @@ class _Rep:
 
         def pair(tier: Callable[[], None], base: Callable[[], None]) -> tuple[float, float]:
             if tier_first:
-                t = _timed(tier)
-                return t, _timed(base)
-            b = _timed(base)
-            return _timed(tier), b
+                t = timed(tier)
+                return t, timed(base)
+            b = timed(base)
+            return timed(tier), b
 
         tier_put, base_put = pair(self._tier_put, self._base_put)
         tier_get, base_get = pair(self._tier_get, self._base_get)
         tier_write, base_write = pair(self._tier_write, self._base_write)
         self._release_all()
         if not self.direct_io:
-            _drop_cache(self.raw_path)
-            _drop_cache(self.pool.disk.slab_path)
-        base_read = _timed(self._base_read)
-        tier_read = _timed(self._tier_read)
+            drop_cache(self.raw_path)
+            drop_cache(self.pool.disk.slab_path)
+        base_read = timed(self._base_read)
+        tier_read = timed(self._tier_read)
         self._verify()
         return {
             "host put": (tier_put, base_put),
@@ -359,7 +231,7 @@ class _Rep:
 
     def _tier_put(self) -> None:
         store, host = self.store, self.host
-        for start, n in _batches(self.pages):
+        for start, n in batches(self.pages):
             lease = store.borrow(_SESSION, _NAMESPACE, n)
             for j, slot in enumerate(lease.slots):
                 np.copyto(host.page(slot), self._ring(self.engine, start + j))
@@ -373,7 +245,7 @@ class _Rep:
 
     def _tier_get(self) -> None:
         store, host = self.store, self.host
-        for start, n in _batches(self.pages):
+        for start, n in batches(self.pages):
             lease = store.acquire(_SESSION, _NAMESPACE, self.keys[start : start + n])
             for j, slot in enumerate(lease.slots):
                 np.copyto(self._ring(self.sink, start + j), host.page(slot))
@@ -382,7 +254,7 @@ class _Rep:
     # disk tier
     def _base_write(self) -> None:
         slot_bytes = self.layout.slot_bytes
-        for start, n in _batches(self.pages):
+        for start, n in batches(self.pages):
             for i in range(start, start + n):
                 src = self.host.view(i)
                 if os.pwrite(self.raw_fd, src, i * slot_bytes) != slot_bytes:
@@ -392,7 +264,7 @@ class _Rep:
     def _tier_write(self) -> None:
         # Every host page is cached and host-only; each borrow evicts BATCH of them, which
         # demotes them to disk (write-back). The leases are held so that no slot comes free.
-        self._write_leases = [self.store.borrow(_SESSION, _NAMESPACE, n) for _, n in _batches(self.pages)]
+        self._write_leases = [self.store.borrow(_SESSION, _NAMESPACE, n) for _, n in batches(self.pages)]
 
     def _release_all(self) -> None:
         for lease in self._write_leases:
@@ -410,7 +282,7 @@ class _Rep:
 
     def _tier_read(self) -> None:
         store = self.store
-        for start, n in _batches(self.pages):
+        for start, n in batches(self.pages):
             lease = store.acquire(_SESSION, _NAMESPACE, self.keys[start : start + n])
             if lease.promoted != n:
                 raise RuntimeError(f"expected {n} promotions from disk, got {lease.promoted}")
@@ -418,12 +290,78 @@ class _Rep:
 
     def _verify(self) -> None:
         """Outside the timings: every promoted page holds the bytes that were put."""
-        for start, n in _batches(self.pages):
+        for start, n in batches(self.pages):
             lease = self.store.acquire(_SESSION, _NAMESPACE, self.keys[start : start + n])
             for j, slot in enumerate(lease.slots):
                 if not np.array_equal(self.host.page(slot), self._ring(self.engine, start + j)):
                     raise RuntimeError(f"page {start + j} came back from disk with other bytes")
             self.store.release(_SESSION, lease.lease_id)
+
+
+# -- host rows through the daemon and the client's mapping ---------------------
+def _client_rep(store: KvtierPages, arena: HostArenaView, engine: np.ndarray, sink: np.ndarray,
+                rep: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """One repetition: ((tier put, baseline put), (tier get, baseline get)) in seconds. The
+    baseline copies into and out of the slots the tier used (`store.slots` after its put),
+    so both sides touch the same arena pages; odd repetitions time the tier first."""
+    ring = len(engine)
+
+    def base_put(order: Sequence[int]) -> None:
+        for i, slot in enumerate(order):
+            np.copyto(arena.raw(slot, writable=True), engine[i % ring])
+
+    def base_get(order: Sequence[int]) -> None:
+        for i, slot in enumerate(order):
+            np.copyto(sink[i % ring], arena.raw(slot, writable=False))
+
+    def tier_get() -> None:
+        store.get(rep, sink)
+
+    base_put(range(store.pages))  # warm the bench's own mapping, untimed
+    if rep % 2:
+        tier_put = timed(partial(store.put, rep, engine))
+        b_put = timed(partial(base_put, store.slots))
+        t_get = timed(tier_get)
+        verify(engine, sink, store.pages, "kvtier get through the client")
+        b_get = timed(partial(base_get, store.slots))
+    else:
+        b_put = timed(partial(base_put, range(store.pages)))
+        tier_put = timed(partial(store.put, rep, engine))
+        b_get = timed(partial(base_get, store.slots))
+        t_get = timed(tier_get)
+        verify(engine, sink, store.pages, "kvtier get through the client")
+    return (tier_put, b_put), (t_get, b_get)
+
+
+def run_client_host(
+    page_bytes: int,
+    layout: PageLayout,
+    pages: int,
+    engine: np.ndarray,
+    sink: np.ndarray,
+    *,
+    reps: int,
+    root: Path,
+    batch: int = BATCH,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[OpResult]:
+    """Host put and get through a daemon subprocess and the client's mapping, each next to
+    np.copyto into / out of the same arena pages (mapped by this process), medians over `reps`."""
+    seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in CLIENT_OPS}
+    for rep in range(reps):
+        progress(f"{page_bytes // 1024} KiB through the daemon and client: repetition {rep + 1} of {reps}")
+        workdir = root / f"client-{page_bytes}-{rep}"
+        with KvtierPages(workdir, layout, pages, batch=batch) as store:
+            store.warm()
+            arena = store.arena()
+            try:
+                put, get = _client_rep(store, arena, engine, sink, rep)
+            finally:
+                arena.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        seconds["host put (client)"].append(put)
+        seconds["host get (client)"].append(get)
+    return [median_pair(pages, page_bytes, op, seconds[op]) for op in CLIENT_OPS]
 
 
 def run_tiers(
@@ -440,12 +378,12 @@ def run_tiers(
     `quick`) worth of pages; `reps` to DEFAULT_REPS (1 with `quick`). `directory` holds the
     disk tier and the raw file (in a temporary subdirectory, removed afterwards); default
     /var/tmp, a real disk. With `through_daemon`, each page size also gets the host rows
-    through a real daemon subprocess and the client's mapping (kvtier.bench.clientpath)."""
+    through a real daemon subprocess and the client's mapping (run_client_host)."""
     reps = reps if reps is not None else (1 if quick else DEFAULT_REPS)
     if (pages is not None and pages <= 0) or reps <= 0:
         raise ValueError("pages and reps must be positive")
     sizes = [(size, pages or default_pages(size, quick), *layout_for(size)) for size in dict.fromkeys(page_sizes)]
-    parent = directory or ("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
+    parent = bench_dir(directory)
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=parent)
     results: list[OpResult] = []
     direct = True
@@ -469,20 +407,15 @@ def run_tiers(
                 finally:
                     bench.close()
                     shutil.rmtree(workdir)
-            for op in OPS:
-                tier = statistics.median(t for t, _ in seconds[op])
-                base = statistics.median(b for _, b in seconds[op])
-                results.append(OpResult(size, op, Rate(n_pages, size, tier), Rate(n_pages, size, base)))
+            results.extend(median_pair(n_pages, size, op, seconds[op]) for op in OPS)
             if through_daemon:
-                from kvtier.bench.clientpath import run_client_host  # it imports this module
-
                 results.extend(run_client_host(size, layout, n_pages, engine, sink, reps=reps, root=Path(root),
                                                progress=progress))
             del engine, sink
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return BenchResult(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=utc_now(),
         machine=machine_info(),
         directory=parent,
         filesystem=filesystem_of(parent),

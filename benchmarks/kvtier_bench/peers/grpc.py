@@ -1,11 +1,12 @@
-"""A bare page store over plain gRPC: the peers benchmark's "KV bytes through gRPC" row.
+"""A bare page store over plain gRPC: the peers benchmark's "KV bytes through gRPC" row
+(GrpcStore: one unary call per page, `batch` in flight, each reply copied into the engine's buffer).
 
 Same process setup as kvtier's daemon and the echo server (a separate Python process, a
 thread-pool gRPC server), on TCP loopback. Put carries a key and a page's bytes and the
 server keeps them in a dict; Get sends the key and gets the bytes back; Clear forgets
 everything. Messages are raw bytes (no protobuf), so what this costs is gRPC itself.
 
-    python -m kvtier.bench.grpcstore PORT
+    python -m kvtier_bench.peers.grpc PORT
 """
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import struct
 import sys
 
 import grpc
+import numpy as np
 
-from kvtier.bench.echo import identity, serve_bytes
+from kvtier_bench.echo import identity, serve_bytes
+from kvtier_bench.harness import batches, package_version
+from kvtier_bench.peers.base import Context, page_key
+from kvtier_bench.services import Service, free_port
 
-SERVICE = "kvtier.bench.PageStore"
+SERVICE = "kvtier_bench.PageStore"
 MAX_MESSAGE = 64 << 20
 OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
@@ -68,6 +73,50 @@ class PageStoreClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class GrpcStore:
+    """The page store below in a subprocess on TCP loopback; `batch` unary calls in flight."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        workdir = ctx.workdir / "grpc"
+        workdir.mkdir()
+        port = free_port()
+        self.service = Service("grpc page store", [sys.executable, "-m", "kvtier_bench.peers.grpc", str(port)],
+                               workdir / "server.log")
+        try:
+            self.service.wait_port(port)
+            self.client = PageStoreClient(port)
+        except BaseException:
+            self.service.stop()
+            raise
+
+    def prepare(self, rep: int) -> None:
+        self.client.clear()
+
+    def put(self, rep: int) -> None:
+        engine, ring = self.ctx.engine, self.ctx.ring
+        for start, n in batches(self.ctx.pages, self.ctx.batch):
+            self.client.put_many([page_key(rep, i) for i in range(start, start + n)],
+                                 [engine[i % ring] for i in range(start, start + n)])
+
+    def get(self, rep: int) -> None:
+        sink, ring = self.ctx.sink, self.ctx.ring
+        for start, n in batches(self.ctx.pages, self.ctx.batch):
+            pages = self.client.get_many([page_key(rep, i) for i in range(start, start + n)])
+            for i, data in zip(range(start, start + n), pages):
+                np.copyto(sink[i % ring], np.frombuffer(data, dtype=np.uint8))
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.service.stop()
+
+
+def version() -> str | None:
+    return f"grpcio {package_version('grpcio')}"
 
 
 if __name__ == "__main__":

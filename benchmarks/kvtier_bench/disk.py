@@ -1,7 +1,7 @@
 """Disk benchmark: the disk tier's bandwidth and a prefix's load time through a real pool,
 next to raw O_DIRECT I/O of the same bytes at the same parallelism.
 
-For each page size, every repetition builds a fresh `kvtier.pool.Pool` (a real /dev/shm
+For each page size, every repetition builds a fresh `kvtier.server.pools.Pool` (a real /dev/shm
 arena, a real disk tier under the bench directory, `io_depth` and `fsync` as given) holding
 N pages in host, plus a raw file beside the tier's slab, and measures, in the same run:
 
@@ -30,10 +30,8 @@ bytes that were put (outside the timings). Nothing here asserts a speed.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -47,22 +45,22 @@ import numpy as np
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.bench.tiers import (
+from kvtier_bench.harness import (
     BATCH,
-    DEFAULT_PAGE_SIZES,
-    DEFAULT_REPS,
     ENGINE_RING_BYTES,
     OpResult,
-    Rate,
-    default_pages,
+    bench_dir,
+    drop_cache,
     filesystem_of,
     format_size,
     layout_for,
     machine_info,
+    median_pair,
+    timed,
+    utc_now,
 )
-from kvtier.mechanism.directio import open_direct
-from kvtier.mechanism.disk import FsyncPolicy
-from kvtier.pool import Pool, PoolConfig
+from kvtier_bench.internals import FsyncPolicy, PoolConfig, bench_pool, open_direct
+from kvtier_bench.tiers import DEFAULT_PAGE_SIZES, DEFAULT_REPS, default_pages
 
 #: The prefix of the prefetch case: 256 pages of 16 tokens (Llama-3-8B layout), 512 of 8.
 PREFIX_TOKENS = 4096
@@ -246,22 +244,6 @@ class _RawFile:
                 raise OSError(f"short read from {self.path}")
 
 
-def _drop_cache(path: str) -> None:
-    """Drop a file's clean pages from the page cache (buffered fallback only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 # -- one repetition ---------------------------------------------------------
 class _Rep:
     """One repetition for one layout: a fresh pool whose host tier holds the N pages, and a
@@ -274,23 +256,13 @@ class _Rep:
         self.prefix_pages = prefix_pages
         self.engine = engine  # the pages' bytes: page i is engine[i % len(engine)]
         self.keys = [i.to_bytes(8, "little") for i in range(pages)]
-        self.pool = Pool(
-            layout,
-            PoolConfig(
-                host_bytes=pages * layout.slot_bytes,
-                disk_bytes=pages * layout.slot_bytes,
-                disk_dir=os.path.join(workdir, "tier"),
-                policy="lru",
-                write_through=False,
-                fsync=fsync,
-                io_depth=io_depth,
-                # One prefetch call queues every page (the pool default of 256 would accept
-                # only the first 256), and a loaded page may be evicted at once, so that the
-                # benchmark can send the pages back to disk-only between measurements.
-                max_queued_prefetch=max(pages, PoolConfig.max_queued_prefetch),
-                prefetch_hold=0.0,
-                arena_prefix=f"kvtier-bench-{os.getpid()}",
-            ),
+        self.pool = bench_pool(
+            layout, pages, workdir, fsync=fsync, io_depth=io_depth,
+            # One prefetch call queues every page (the pool default of 256 would accept
+            # only the first 256), and a loaded page may be evicted at once, so that the
+            # benchmark can send the pages back to disk-only between measurements.
+            max_queued_prefetch=max(pages, PoolConfig.max_queued_prefetch),
+            prefetch_hold=0.0,
         )
         self.store = self.pool.store
         self.host = self.pool.host
@@ -371,8 +343,8 @@ class _Rep:
 
     def _drop_page_cache(self) -> None:
         if not self.direct_io:
-            _drop_cache(self.raw.path)
-            _drop_cache(self.disk.slab_path)
+            drop_cache(self.raw.path)
+            drop_cache(self.disk.slab_path)
 
     def _next_load_slots(self, n: int) -> list[int]:
         """The host slots the store's next n loads will fill (its allocator hands out the end
@@ -414,14 +386,14 @@ class _Rep:
 
     def _raw_write(self) -> float:
         # Host slot i holds page i whether the tier has demoted it yet or not.
-        return _timed(lambda: self.raw.write([self.host.view(i) for i in range(self.pages)]))
+        return timed(lambda: self.raw.write([self.host.view(i) for i in range(self.pages)]))
 
     # -- read -------------------------------------------------------------------
     def _raw_read(self, slots: list[int], batch: int | None = None) -> float:
         """Raw slot i into host slot slots[i], free at this point (the store never reads a
         free slot), then checked."""
         self._drop_page_cache()
-        seconds = _timed(lambda: self.raw.read([self.host.view(s) for s in slots], batch))
+        seconds = timed(lambda: self.raw.read([self.host.view(s) for s in slots], batch))
         for i, slot in enumerate(slots):
             if not np.array_equal(self.host.page(slot), self._page(i)):
                 raise RuntimeError(f"page {i} came back from the raw file with other bytes")
@@ -498,7 +470,7 @@ def run_disk(
         prefix_full = prefix_pages_for(layout, 1 << 62)
         n_pages = pages or max(default_pages(size, quick), prefix_full)
         sizes.append(SizeInfo(size, n_pages, prefix_pages_for(layout, n_pages), layout.slot_bytes, description, layout))
-    parent = directory or ("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
+    parent = bench_dir(directory)
     root = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=parent)
     bandwidth: list[OpResult] = []
     prefix: list[OpResult] = []
@@ -523,14 +495,12 @@ def run_disk(
                     shutil.rmtree(workdir)
             for op in BANDWIDTH_OPS + PREFIX_OPS:
                 n = info.prefix_pages if op in PREFIX_OPS else info.pages
-                tier = Rate(n, info.page_bytes, statistics.median(t for t, _ in seconds[op]))
-                base = Rate(n, info.page_bytes, statistics.median(b for _, b in seconds[op]))
-                (prefix if op in PREFIX_OPS else bandwidth).append(OpResult(info.page_bytes, op, tier, base))
+                (prefix if op in PREFIX_OPS else bandwidth).append(median_pair(n, info.page_bytes, op, seconds[op]))
             del engine
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return DiskBenchResult(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=utc_now(),
         machine=machine_info(),
         directory=parent,
         filesystem=filesystem_of(parent),

@@ -9,7 +9,7 @@
     trace    block hit rate vs capacity on the Mooncake trace, lru and  infinite cache, offline
              prefix, one tier and host+disk                             Belady (one tier)
     e2e      time to first token on CPU: full prefill vs restored       full prefill
-             from host and from disk (kvtier.bench.e2e)
+             from host and from disk (kvtier_bench.e2e)
 
 Output, in `--out` (default benchmarks/results/<YYYY-MM-DD>/ under the current directory):
 results.json (every figure, the machine, each section's time or error), results.md (the
@@ -21,18 +21,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench.services import describe_machine, machine_description
-from kvtier.bench.tiers import format_size
+from kvtier_bench.harness import KiB, MiB, default_out, describe_machine, format_size, machine_description
 
-KiB = 1024
-MiB = 1024 * KiB
 SECTIONS = ("tiers", "rpc", "peers", "trace", "e2e")
 #: Page sizes of the tiers and peers sections: a per-layer vLLM block of Llama-3-8B
 #: (16 tokens x 8 KV heads x 128 x K/V x fp16), a Llama-3.2-1B page and a Llama-3-8B page.
@@ -71,7 +67,7 @@ class Settings:
 
 
 def _section_tiers(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
-    from kvtier.bench.tiers import format_table, run_tiers
+    from kvtier_bench.tiers import format_table, run_tiers
 
     result = run_tiers(s.page_sizes, pages=s.tiers_pages, quick=quick, reps=s.tiers_reps, directory=s.directory,
                        through_daemon=True, progress=progress)
@@ -79,7 +75,7 @@ def _section_tiers(s: Settings, quick: bool, progress) -> tuple[dict, str, objec
 
 
 def _section_rpc(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
-    from kvtier.bench.rpc import render_rpc, run_rpc_bench
+    from kvtier_bench.rpc import render_rpc, run_rpc_bench
 
     progress(f"rpc: {s.rpc_iterations} calls per measurement, {s.rpc_keys} keys per call")
     result = run_rpc_bench(s.rpc_iterations, s.rpc_keys)
@@ -87,7 +83,7 @@ def _section_rpc(s: Settings, quick: bool, progress) -> tuple[dict, str, object]
 
 
 def _section_peers(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
-    from kvtier.bench.peers import SYSTEM_NAMES, format_markdown, run_peers
+    from kvtier_bench.peers.bench import SYSTEM_NAMES, format_markdown, run_peers
 
     result = run_peers(s.page_sizes, pages=s.peers_pages, quick=quick, reps=s.peers_reps,
                        systems=s.peers_systems or SYSTEM_NAMES, progress=progress)
@@ -99,7 +95,7 @@ def _section_peers(s: Settings, quick: bool, progress) -> tuple[dict, str, objec
 
 
 def _section_trace(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
-    from kvtier.bench.trace import DEFAULT_TRACE, format_markdown, run_trace
+    from kvtier_bench.trace import DEFAULT_TRACE, format_markdown, run_trace
 
     result = run_trace(s.trace_path or DEFAULT_TRACE, capacities=s.trace_capacities, quick=quick,
                        limit=s.trace_limit, progress=progress)
@@ -107,9 +103,7 @@ def _section_trace(s: Settings, quick: bool, progress) -> tuple[dict, str, objec
 
 
 def _section_e2e(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
-    from kvtier.bench import (
-        e2e,  # another module of the project; imported only when this section runs
-    )
+    from kvtier_bench import e2e  # torch and transformers: imported only when this section runs
 
     result = e2e.run_e2e(quick=quick, progress=progress, **s.e2e_kwargs)
     return result.as_dict(), e2e.format_table(result), result
@@ -256,7 +250,7 @@ def _plot(name: str, data: dict, obj: object, out: Path) -> str | None:
     elif name == "peers":
         plot_peers(data, file)
     elif name == "trace":
-        from kvtier.bench.trace import plot
+        from kvtier_bench.trace import plot
 
         plot(obj, file)
     elif name == "e2e":
@@ -267,11 +261,6 @@ def _plot(name: str, data: dict, obj: object, out: Path) -> str | None:
 
 
 # -- the run -------------------------------------------------------------------------
-def default_out(now: datetime.datetime | None = None) -> Path:
-    now = now or datetime.datetime.now(datetime.timezone.utc)
-    return Path("benchmarks") / "results" / now.strftime("%Y-%m-%d")
-
-
 def run_all(
     out: str | os.PathLike | None = None,
     *,
@@ -371,13 +360,3 @@ def render_markdown(document: dict, results: dict[str, dict]) -> str:
             lines += ["", f"(no plot: {entry['plot_error']})"]
         lines.append(f"\n_{entry['seconds']:.0f} s_")
     return "\n".join(lines) + "\n"
-
-
-def stderr_progress(t0: float | None = None) -> Callable[[str], None]:
-    start = time.perf_counter() if t0 is None else t0
-
-    def emit(message: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-    return emit
-
