@@ -9,6 +9,7 @@ import click
 
 from kvtier.admin import health_check, stats
 from kvtier.demo import demo
+from kvtier.policy import PolicyName
 from kvtier.replay.mooncake import read_trace, replay
 from kvtier.server.cli import serve
 
@@ -31,13 +32,14 @@ main.add_command(demo)
 @click.option("--disk-pages", type=click.IntRange(min=0), default=0, show_default=True, help="Disk tier capacity in pages; 0 for no disk tier.")
 @click.option("--device-pages", type=click.IntRange(min=0), default=0, show_default=True,
               help="Device (GPU) tier capacity in pages; 0 for none. Cached blocks are then acquired into it.")
-@click.option("--policy", type=click.Choice(["lru", "prefix"]), default="lru", show_default=True, help="Eviction policy of every tier.")
+@click.option("--policy", type=click.Choice([p.value for p in PolicyName]), default=PolicyName.LRU.value, show_default=True,
+              help="Eviction policy of every tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: int, policy: str, as_json: bool) -> None:
     """Replay a Mooncake-format TRACE through the block index and policies (no bytes moved)
     and report the block hit rate, overall and per tier."""
     try:
-        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=policy,
+        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=PolicyName(policy),
                         device_pages=device_pages)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None

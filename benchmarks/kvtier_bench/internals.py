@@ -18,6 +18,7 @@ from kvtier.child import ChildDaemon
 from kvtier.core import WriteGrant
 from kvtier.mechanism.directio import open_direct
 from kvtier.mechanism.disk import FsyncPolicy
+from kvtier.policy import PolicyName
 from kvtier.server.pools import Pool, PoolConfig
 from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, read_trace, replay
 from kvtier.units import parse_size
@@ -26,6 +27,7 @@ __all__ = [
     "TRACE_BLOCK_TOKENS",
     "ChildDaemon",
     "FsyncPolicy",
+    "PolicyName",
     "Pool",
     "PoolConfig",
     "WriteGrant",

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier_bench.harness import utc_now
-from kvtier_bench.internals import TRACE_BLOCK_TOKENS, read_trace, replay
+from kvtier_bench.internals import TRACE_BLOCK_TOKENS, PolicyName, read_trace, replay
 
 #: Where every developer machine and CI have the trace (never copied into the repository).
 DEFAULT_TRACE = Path(os.environ.get("KVTIER_MOONCAKE_TRACE", "/work/shared/data/mooncake/conversation_trace.jsonl"))
-POLICIES = ("lru", "prefix")
+POLICIES = tuple(p.value for p in PolicyName)
 #: The disk tier of the host+disk lines holds this many times the host tier's pages.
 DISK_FACTOR = 10
 #: Host capacities in 512-token pages: 0.5M, 1M, 2M, 3M, 5M, 10M and 20M tokens.

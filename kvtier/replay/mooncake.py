@@ -88,7 +88,7 @@ def _key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little")
 
 
-def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: str = "lru",
+def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: PolicyName | str = PolicyName.LRU,
            device_pages: int = 0) -> ReplayResult:
     """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
     engine would), so they climb disk -> host -> device and fall back the same way."""
@@ -121,7 +121,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
         disk_hit_blocks=disk.counters.hits if disk else 0,
         host_pages=host_pages,
         disk_pages=disk_pages,
-        policy=policy,
+        policy=PolicyName(policy).value,
         device_pages=device_pages,
         device_hit_blocks=device.counters.hits if device else 0,
     )
