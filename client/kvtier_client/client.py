@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView
 from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, Unavailable
+from kvtier_client.ids import LeaseId, SessionId, Slot, short_session
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
@@ -46,6 +47,10 @@ from kvtier_client.wire import layout_to_proto, tier_from_proto, tier_to_proto
 log = logging.getLogger("kvtier_client")
 
 T = TypeVar("T")
+
+
+def _slots(slots: Sequence[int]) -> tuple[Slot, ...]:
+    return tuple(Slot(s) for s in slots)
 
 
 class Wait(enum.Enum):
@@ -78,8 +83,12 @@ class _Session:
     device: DeviceArenaView | None = None  # opened on the first device lease
 
     @property
-    def session_id(self) -> str:
+    def session_id(self) -> SessionId:
         return self.info.session_id
+
+    @property
+    def page_bytes(self) -> int:
+        return self.info.page_bytes
 
     def device_arena(self) -> DeviceArenaView:
         with _DEVICE_OPEN_LOCK:  # one mapping per session, whichever thread asks first
@@ -163,7 +172,9 @@ class KVTierClient:
         session = self._open_session(registration)
         with self._swap:
             self._registration, self._session = registration, session
-        self._heartbeat = threading.Thread(target=self._beat, name=f"kvtier-heartbeat-{session.session_id[:8]}", daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"kvtier-heartbeat-{short_session(session.session_id)}", daemon=True
+        )
         self._heartbeat.start()
         return session.info
 
@@ -239,7 +250,7 @@ class KVTierClient:
             self.reconnects += 1
         log.warning(
             "kvtier daemon at %s no longer knows session %s (restarted?); registered again as %s, arena %s",
-            self.target, stale.session_id, fresh.session_id, fresh.info.host_arena,
+            self.target, short_session(stale.session_id), short_session(fresh.session_id), fresh.info.host_arena,
         )
         stale.close()
         if self.on_reconnect is not None:
@@ -263,25 +274,35 @@ class KVTierClient:
 
     def _for_lease(self, lease: Lease, call: Callable[[_Session], T]) -> T:
         """Run a call on a lease; a lease of a lost session raises DaemonRestarted."""
-        self._check_open()
-        session = lease.session
-        if not self.is_current(session):
-            raise self._restarted(lease)
+        session = self._lease_session(lease)
         try:
             return call(session)
         except NotFound as exc:
-            if not self._session_gone(session):
-                raise
-            self._reconnect(session)
+            self._lease_not_found(lease, exc)
+            raise
+
+    def _lease_session(self, lease: Lease) -> _Session:
+        """The session of a lease to call on; DaemonRestarted if the daemon no longer has it."""
+        self._check_open()
+        if not self.is_current(lease.session):
+            raise self._restarted(lease)
+        return lease.session
+
+    def _lease_not_found(self, lease: Lease, exc: NotFound) -> None:
+        """After a NOT_FOUND on a lease call: if the session is what the daemon lost, register
+        again and raise DaemonRestarted; if only the lease or a key is unknown, return (the
+        caller re-raises `exc`)."""
+        if self._session_gone(lease.session):
+            self._reconnect(lease.session)
             raise self._restarted(lease) from exc
 
     @staticmethod
     def _restarted(lease: Lease) -> DaemonRestarted:
         lease.ended = True
         return DaemonRestarted(
-            f"lease {lease.lease_id} belonged to session {lease.session.session_id}, which the daemon no longer "
-            "knows: it restarted (or dropped the session after missed heartbeats) and the lease's pages are gone. "
-            "The client has registered again; look the keys up again and recompute what is missing."
+            f"lease {lease.lease_id} belonged to session {short_session(lease.session.session_id)}, which the daemon "
+            "no longer knows: it restarted (or dropped the session after missed heartbeats) and the lease's pages "
+            "are gone. The client has registered again; look the keys up again and recompute what is missing."
         )
 
     def _beat(self) -> None:
@@ -309,7 +330,7 @@ class KVTierClient:
             except KVTierError as exc:
                 if self._stop.is_set():
                     return
-                log.warning("kvtier heartbeat for session %s failed: %s", session.session_id, exc)
+                log.warning("kvtier heartbeat for session %s failed: %s", short_session(session.session_id), exc)
 
     # -- keys and lookups ------------------------------------------------------
     def block_keys(
@@ -326,14 +347,14 @@ class KVTierClient:
             token_ids, info.layout.block_tokens, salt=salt, extras=extras, algorithm=info.algorithm, parent=parent
         )
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading keys are cached, and the fastest tier of each."""
         reply = self._in_session(
             lambda s: self._conn.unary("Lookup", pb.LookupRequest(session_id=s.session_id, keys=list(keys)))
         )
         return LookupResult.from_proto(reply)
 
-    def prefetch(self, keys: Sequence[bytes], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
+    def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
         """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""
         reply = self._in_session(
             lambda s: self._conn.unary(
@@ -350,11 +371,11 @@ class KVTierClient:
 
         def call(session: _Session) -> WriteLease:
             reply = self._conn.unary("Borrow", pb.BorrowRequest(session_id=session.session_id, count=count))
-            return WriteLease(self, session, reply.lease_id, tier_from_proto(reply.tier), reply.slots)
+            return WriteLease(self, session, LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
 
         return self._in_session(call)
 
-    def commit(self, lease: WriteLease, keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult:
+    def commit(self, lease: WriteLease, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
         """Publish a write lease's pages under `keys` (see WriteLease.commit)."""
 
         def call(session: _Session) -> CommitResult:
@@ -368,7 +389,7 @@ class KVTierClient:
         lease.ended = True
         return result
 
-    def acquire(self, keys: Sequence[bytes], *, wait: Wait | None = None, deadline: float | None = None,
+    def acquire(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
                 tier: Tier = Tier.HOST) -> ReadLease:
         """A read lease pinning every key's page in `tier`, loading slower copies first.
 
@@ -400,7 +421,7 @@ class KVTierClient:
                 timeout=self._conn.timeout + deadline_ms / 1000,
             )
             return ReadLease(
-                self, session, reply.lease_id, tier_from_proto(reply.tier), reply.slots,
+                self, session, LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots),
                 keys=key_list, ready=reply.ready, promoted=reply.promoted, ready_event=reply.ready_event,
             )
 
@@ -413,6 +434,38 @@ class KVTierClient:
             lambda s: self._conn.unary("Release", pb.ReleaseRequest(session_id=s.session_id, lease_id=lease.lease_id)),
         )
         lease.ended = True
+
+    # -- page bytes over gRPC (for kvtier_client.remote.RemotePages) ------------
+    def read_page_bytes(self, lease: ReadLease) -> Iterator[tuple[int, bytes]]:
+        """(index, bytes) of each page of a read lease as the daemon streams it (ReadPages: the
+        ready pages, in no promised order), for a client that does not map the host arena.
+        Checks nothing about the pages (RemotePages does); a lease of a lost session raises
+        DaemonRestarted, as every lease call does."""
+        session = self._lease_session(lease)
+        request = pb.ReadPagesRequest(session_id=session.session_id, lease_id=lease.lease_id)
+        try:
+            for message in self._conn.server_stream("ReadPages", request):
+                yield message.index, message.data
+        except NotFound as exc:
+            self._lease_not_found(lease, exc)
+            raise
+
+    def write_page_bytes(self, lease: WriteLease, pages: Sequence[bytes]) -> int:
+        """Send pages[i] as page i of a write lease (WritePages: a client stream, one page a
+        message, resent whole on a retry); returns how many pages the daemon stored. The
+        lease stays open: commit it afterwards."""
+
+        def call(session: _Session) -> int:
+            def messages() -> Iterator[pb.PageData]:
+                for i, data in enumerate(pages):
+                    if i == 0:
+                        yield pb.PageData(session_id=session.session_id, lease_id=lease.lease_id, index=0, data=data)
+                    else:
+                        yield pb.PageData(index=i, data=data)
+
+            return self._conn.client_stream("WritePages", messages).pages
+
+        return self._for_lease(lease, call)
 
     # -- daemon-wide -----------------------------------------------------------
     def stats(self) -> Stats:
@@ -439,7 +492,7 @@ class KVTierClient:
             if session is not None:
                 session.close()
 
-    def _close_session(self, session_id: str) -> None:
+    def _close_session(self, session_id: SessionId) -> None:
         try:
             self._conn.unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), retry=False)
         except (NotFound, Unavailable):
@@ -453,5 +506,7 @@ class KVTierClient:
 
     def __repr__(self) -> str:
         session = self._session
-        where = f"session {session.session_id} in {session.info.namespace!r}" if session else "not registered"
+        where = (
+            f"session {short_session(session.session_id)} in {session.info.namespace!r}" if session else "not registered"
+        )
         return f"KVTierClient({self.target!r}, {where})"

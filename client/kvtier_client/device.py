@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier_client.errors import KVTierError
+from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.views import import_torch, torch_dtype
 
@@ -48,12 +49,12 @@ class DeviceArenaView:
         memory = cupy.cuda.UnownedMemory(self.ptr, size, self, self.device_id)
         self._bytes = cupy.ndarray((size,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
 
-    def raw(self, slot: int) -> Any:
+    def raw(self, slot: Slot) -> Any:
         """The page's bytes as a CuPy uint8 array, zero copy."""
         start = slot * self.slot_bytes
         return self._bytes[start : start + self.layout.page_bytes]
 
-    def torch(self, slot: int) -> "torch.Tensor":
+    def torch(self, slot: Slot) -> "torch.Tensor":
         """The page as a torch CUDA tensor shaped like the layout, zero copy (DLPack)."""
         torch = import_torch()
         return torch.from_dlpack(self.raw(slot)).view(torch_dtype(self.layout.dtype)).view(self.layout.shape)

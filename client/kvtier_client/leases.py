@@ -20,6 +20,7 @@ import numpy as np
 
 from kvtier_client.device import CopyDone, DeviceArenaView
 from kvtier_client.errors import KVTierError
+from kvtier_client.ids import LeaseId, SessionId, Slot
 from kvtier_client.keys import BlockKey
 from kvtier_client.results import CommitResult
 from kvtier_client.tiers import Tier
@@ -33,7 +34,12 @@ log = logging.getLogger("kvtier_client")
 
 class SessionLike(Protocol):
     arena: HostArenaView | None
-    session_id: str
+
+    @property
+    def session_id(self) -> SessionId: ...
+
+    @property
+    def page_bytes(self) -> int: ...  # the daemon's figure, from Register
 
     def device_arena(self) -> DeviceArenaView: ...
 
@@ -41,7 +47,8 @@ class SessionLike(Protocol):
 class LeaseOwner(Protocol):
     """What a lease needs from its client (kvtier_client.client.KVTierClient)."""
 
-    def commit(self, lease: "WriteLease", keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult: ...
+    def commit(self, lease: "WriteLease", keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
+        ...
 
     def release(self, lease: "Lease") -> None: ...
 
@@ -53,7 +60,8 @@ class Lease:
 
     _writable = False
 
-    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: int, tier: Tier, slots: Sequence[int]) -> None:
+    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: LeaseId, tier: Tier,
+                 slots: Sequence[Slot]) -> None:
         self._owner = owner
         self.session = session
         self.lease_id = lease_id
@@ -69,7 +77,7 @@ class Lease:
     def count(self) -> int:
         return len(self.slots)
 
-    def _visible_slots(self) -> tuple[int, ...]:
+    def _visible_slots(self) -> tuple[Slot, ...]:
         return self.slots
 
     def _arena(self) -> HostArenaView:
@@ -126,7 +134,7 @@ class WriteLease(Lease):
 
     _writable = True
 
-    def commit(self, keys: Sequence[bytes], *, parent: bytes | None = None) -> CommitResult:
+    def commit(self, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
         """Page i becomes the cached copy of keys[i]; pages beyond len(keys) are freed.
         `parent` is the key of the block before keys[0], if any. Ends the lease."""
         return self._owner.commit(self, keys, parent=parent)
@@ -137,7 +145,7 @@ class ReadLease(Lease):
     (all of them unless acquire was asked not to wait). Views are read-only; torch has no
     read-only tensors, so do not write through `tensors()` of a read lease."""
 
-    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: int, tier: Tier, slots: Sequence[int],
+    def __init__(self, owner: LeaseOwner, session: SessionLike, lease_id: LeaseId, tier: Tier, slots: Sequence[Slot],
                  *, keys: Sequence[BlockKey], ready: int, promoted: int, ready_event: bytes = b"") -> None:
         super().__init__(owner, session, lease_id, tier, slots)
         self.keys = tuple(keys)
@@ -179,5 +187,5 @@ class ReadLease(Lease):
             self._copy_done = None
         super().release()
 
-    def _visible_slots(self) -> tuple[int, ...]:
+    def _visible_slots(self) -> tuple[Slot, ...]:
         return self.slots[: self.ready]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier_client.ids import SessionId
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
@@ -14,7 +15,7 @@ from kvtier_client.wire import layout_from_proto, tier_from_proto
 class PoolInfo:
     """A registered session and the pool it uses: what Register answered."""
 
-    session_id: str
+    session_id: SessionId
     namespace: str
     layout: PageLayout
     algorithm: str
@@ -33,7 +34,7 @@ class PoolInfo:
     @classmethod
     def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
         return cls(
-            session_id=reply.session_id,
+            session_id=SessionId(reply.session_id),
             namespace=namespace,
             layout=layout,
             algorithm=algorithm,

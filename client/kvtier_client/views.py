@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.shm import map_arena
 
@@ -103,7 +104,7 @@ class HostArenaView:
         """Map the arena `name` (a /dev/shm name from Register) of `size` bytes."""
         return cls(map_arena(name, size), layout, page_bytes, slot_bytes)
 
-    def raw(self, slot: int, *, writable: bool) -> np.ndarray:
+    def raw(self, slot: Slot, *, writable: bool) -> np.ndarray:
         """The page in `slot` as page_bytes uint8, zero copy."""
         if self._bytes is None:
             raise ValueError("host arena view is closed")
@@ -116,10 +117,10 @@ class HostArenaView:
             view.flags.writeable = False
         return view
 
-    def numpy(self, slot: int, *, writable: bool) -> np.ndarray:
+    def numpy(self, slot: Slot, *, writable: bool) -> np.ndarray:
         return page_array(self.raw(slot, writable=writable), self.layout)
 
-    def torch(self, slot: int) -> "torch.Tensor":
+    def torch(self, slot: Slot) -> "torch.Tensor":
         return page_tensor(self.raw(slot, writable=True), self.layout)
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
 // Gather an engine's per-layer KV tensors into page-first pages, and scatter them back.
-// Compiled at run time by CuPy (RawModule); host code lives in kvtier/mechanism/kernels.py.
+// Compiled at run time by CuPy (RawModule); host code lives in kvtier_client/kernels.py.
 //
 // Engine side, one tensor per layer l (all the same shape and dtype, C-contiguous):
 //     layer[l] : [num_blocks, 2, block_tokens, kv_heads, head_dim]

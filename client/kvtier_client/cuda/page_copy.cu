@@ -7,7 +7,7 @@
 // Work is a flat index over (pair, 16-byte chunk), walked grid-stride, so any grid size is
 // correct and the launcher only picks one that fills the device. Every access is one uint4
 // (16 bytes): the caller guarantees both arena bases are 16-byte aligned and page_bytes is a
-// multiple of 16 (kvtier.mechanism.kernels.copy_pages_gpu checks both, and that every index
+// multiple of 16 (kvtier_client.kernels.copy_pages_gpu checks both, and that every index
 // is in range and no destination page repeats). Host code lives in kernels.py, none here.
 
 extern "C" __global__ void kvtier_copy_pages(

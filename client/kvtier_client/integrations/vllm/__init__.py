@@ -1,0 +1,241 @@
+"""vLLM: a KV connector (`KVConnectorBase_V1`) that keeps prompt KV in a kvtier daemon.
+
+Load it with vLLM's own configuration; nothing in vLLM needs patching:
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(
+        model=...,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier_client.integrations.vllm",
+            kv_role="kv_both",                      # kv_producer: only store; kv_consumer: only load
+            kv_load_failure_policy="recompute",     # a page evicted between lookup and load is recomputed
+            kv_connector_extra_config={"target": "unix:///run/kvtier/kvtier.sock",
+                                       "namespace": "llama-3-8b/tenant-a"},
+        ),
+    )
+
+What it does, per request (docs/integrations.md has the full story):
+
+* Scheduler side (`get_num_new_matched_tokens`): computes the prompt's block keys (one
+  key per full vLLM block; kvtier `block_tokens` == vLLM `block_size`), looks them up,
+  and asks the load planner (`kvtier_client.integrations.planner.Planner`) how many of
+  the cached blocks beyond vLLM's own prefix-cache hit are worth loading: never more
+  than loading beats recomputing. vLLM must compute at least one prompt token itself, so
+  a prompt cached in full is loaded up to its last token (`len(prompt) - 1` tokens).
+  `update_state_after_alloc` turns the answer into a load of vLLM block ids, and
+  `build_connector_meta` adds, for every scheduled request, the full prompt blocks that
+  this step completes and kvtier does not hold yet.
+* Worker side: `register_kv_caches` maps vLLM's per-layer paged KV tensors onto views
+  shaped like kvtier pages; `start_load_kv` acquires the pages and copies them into
+  vLLM's blocks before the forward pass (synchronous: the scheduler marks such steps as
+  having synchronous loads, so vLLM calls it before the forward; `wait_for_layer_load`
+  then has nothing left to wait for); `save_kv_layer` copies each layer of the blocks to
+  store into borrowed pages as soon as the layer's attention has written it, and
+  `wait_for_save` copies any layer that was not handed over (a CUDA-graph replay skips
+  the per-layer hooks) and commits the pages under their keys.
+* Measured prefill speed: the worker times each forward pass and reports it with
+  `build_connector_worker_meta`; the scheduler feeds it to `Planner.observe_prefill`.
+* `request_finished` returns `kv_transfer_params={"kvtier": {...}}` (loaded tokens, blocks
+  stored, the planner's reason), which vLLM attaches to the request's output.
+
+What it supports: models whose layers are all full attention (one KV cache group), one
+worker (tensor, pipeline and context parallel size 1), text prompts (requests with
+multimodal inputs or prompt embeddings are neither loaded nor stored), the CPU attention
+backend (verified end to end) and the backends that keep K and V side by side in the last
+dimension (FlashAttention, Triton, FlexAttention; copies by torch indexing, see
+docs/integrations.md for the GPU path). Only prompt blocks are stored, not generated ones.
+
+Configuration (`kv_connector_extra_config`), every key optional:
+
+    target        daemon address: "unix:///abs/path.sock" or "host:port"
+                  (default $KVTIER_TARGET, else unix://$XDG_RUNTIME_DIR/kvtier/kvtier.sock)
+    namespace     isolation unit, model + tenant (default "vllm/<served model name>")
+    salt          per-tenant string mixed into every block key (default "")
+    token_file    file holding the bearer token (for a daemon run with --tokens-file)
+    token         the bearer token itself (prefer token_file)
+    tls_ca, tls_cert, tls_key, tls_server_name   PEM files / name for a TLS TCP target
+    insecure      plaintext TCP (trusted loopback only; default false)
+    planner       true: load only what the planner says pays; false: load every cached block
+    prefetch      ask the daemon to start bringing a new request's pages up from disk (true)
+    connect_timeout   seconds to keep retrying an unreachable daemon per call (10)
+    kv_cache_format   "auto" (default), "cpu" or "kv_last_dim": how a layer's KV tensor
+                      [num_blocks, kv_heads, block_size, 2 * head_dim] holds K and V
+
+The package, one module per concern (vLLM loads one connector class and tells it its role;
+`KVTierConnector` below is a thin facade that builds the half for that role and forwards to it):
+
+    config.py     ConnectorConfig (kv_connector_extra_config), page layout, namespace, one worker
+    link.py       DaemonLink: the registered client, and the gate that skips an unreachable daemon
+    metadata.py   LoadOp, SaveOp and the per-step messages between the roles
+    scheduler.py  KVTierScheduler: lookups, load planning, metadata building
+    worker.py     KVTierWorker: vLLM's KV as page views, acquire/borrow/commit and the copies
+
+Every vLLM import of the project happens in this package, so the rest of kvtier_client does
+not need vLLM.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        f"kvtier_client.integrations.vllm needs vLLM (and torch): {exc}. Install vLLM in the engine's "
+        "environment; for this repository's CPU checks run scripts/setup_vllm.sh (creates .venv-vllm)."
+    ) from exc
+
+from kvtier_client.integrations.vllm.config import (
+    ConnectorConfig,
+    check_parallel,
+    default_namespace,
+    page_layout_for,
+)
+from kvtier_client.integrations.vllm.link import DaemonLink, log
+from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
+from kvtier_client.integrations.vllm.scheduler import KVTierScheduler, request_salt
+from kvtier_client.integrations.vllm.worker import KVTierWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """A vLLM V1 KV connector backed by a kvtier daemon (see the package docstring).
+
+    vLLM makes one per role: in the engine core with role SCHEDULER, in each model runner with
+    role WORKER. Each builds only its half, and a call meant for the other role is a bug
+    (AssertionError), as in vLLM's own connectors.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_parallel(vllm_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(
+            transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config)
+        )
+        block_size = vllm_config.cache_config.block_size
+        self.layout, layer_names = page_layout_for(kv_cache_config, block_size)
+        if transfer.kv_load_failure_policy != "recompute":
+            log.info(
+                "kvtier connector: kv_load_failure_policy=%r; with 'recompute' a page evicted between lookup and "
+                "load is recomputed instead of failing the request", transfer.kv_load_failure_policy,
+            )
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self._link = DaemonLink.open(self.config, self.layout, side)
+        self._scheduler: KVTierScheduler | None = None
+        self._worker: KVTierWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KVTierScheduler(
+                self._link, self.config, block_size, do_load=transfer.is_kv_consumer, do_save=transfer.is_kv_producer
+            )
+        else:
+            self._worker = KVTierWorker(self._link, vllm_config, self.layout, layer_names, self.config.kv_cache_format)
+        log.info(
+            "kvtier connector (%s) registered namespace %r at %s: %s",
+            side, self.config.namespace, self.config.target, self.layout,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save that did not happen is a future miss
+
+    @property
+    def scheduler(self) -> KVTierScheduler:
+        assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> KVTierWorker:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    # -- scheduler side (kvtier_client.integrations.vllm.scheduler) ---------------------
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # -- worker side (kvtier_client.integrations.vllm.worker) ---------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.start_step()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copied every layer before the forward pass began
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name, self._connector_metadata)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._connector_metadata)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.build_connector_worker_meta()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads and saves complete within their step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    # -- both ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._link.close()
+
+
+__all__ = [
+    "ConnectorConfig",
+    "KVTierConnector",
+    "KVTierConnectorMetadata",
+    "KVTierScheduler",
+    "KVTierWorker",
+    "KVTierWorkerMetadata",
+    "LoadOp",
+    "SaveOp",
+    "page_layout_for",
+    "request_salt",
+]

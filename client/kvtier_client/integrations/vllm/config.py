@@ -1,0 +1,180 @@
+"""The connector's settings: `kv_connector_extra_config` checked into a `ConnectorConfig`,
+and what vLLM's own configuration implies (the page layout, the namespace, one worker).
+
+Every key is listed in the package docstring and in docs/integrations.md.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier_client.client import KVTierClient
+from kvtier_client.connection import Backoff, TLSConfig
+from kvtier_client.layout import DTYPE_BYTES, PageLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: kv_connector_extra_config keys this connector reads.
+CONFIG_KEYS = (
+    "target", "namespace", "salt", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
+    "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format",
+)
+#: How a layer's KV tensor holds K and V (kvtier_client.integrations.vllm.worker).
+KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
+
+
+def _default_target() -> str:
+    env = os.environ.get("KVTIER_TARGET")
+    if env:
+        return env
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
+    return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
+
+
+def _as_bool(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ValueError(f"kvtier connector: kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+
+
+def _as_str(extra: dict[str, Any], key: str, default: str | None = None) -> str | None:
+    value = extra.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"kvtier connector: kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What `kv_connector_extra_config` asked for, checked (see the package docstring)."""
+
+    target: str
+    namespace: str
+    salt: bytes = b""
+    token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = field(default=None, repr=False)
+    insecure: bool = False
+    use_planner: bool = True
+    prefetch: bool = True
+    connect_timeout: float = 10.0
+    kv_cache_format: str = "auto"
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(CONFIG_KEYS))
+        if unknown:
+            raise ValueError(
+                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"the keys are {', '.join(CONFIG_KEYS)}"
+            )
+        target = _as_str(extra, "target") or _default_target()
+        if not (target.startswith("unix://") or (":" in target and "/" not in target)):
+            raise ValueError(
+                f"kvtier connector: target {target!r} is neither 'unix:///abs/path.sock' nor 'host:port'"
+            )
+        namespace = _as_str(extra, "namespace") or default_namespace
+        if not namespace:
+            raise ValueError("kvtier connector: namespace must be a non-empty string")
+        salt = _as_str(extra, "salt", "") or ""
+        token = _as_str(extra, "token")
+        token_file = _as_str(extra, "token_file")
+        if token and token_file:
+            raise ValueError("kvtier connector: give either token or token_file, not both")
+        if token_file:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"kvtier connector: cannot read token_file {token_file!r}: {exc}") from None
+            if not token:
+                raise ValueError(f"kvtier connector: token_file {token_file!r} is empty")
+        tls_files = {k: _as_str(extra, k) for k in ("tls_ca", "tls_cert", "tls_key")}
+        server_name = _as_str(extra, "tls_server_name")
+        tls = None
+        if any(tls_files.values()) or server_name:
+            if target.startswith("unix://"):
+                raise ValueError("kvtier connector: tls_* applies to a host:port target, not a unix socket")
+            try:
+                tls = TLSConfig.from_files(tls_files["tls_ca"], tls_files["tls_cert"], tls_files["tls_key"], server_name)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"kvtier connector: TLS configuration: {exc}") from None
+        timeout = extra.get("connect_timeout", 10.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"kvtier connector: connect_timeout must be positive seconds, got {timeout!r}")
+        kv_format = _as_str(extra, "kv_cache_format", "auto")
+        if kv_format not in KV_CACHE_FORMATS:
+            raise ValueError(f"kvtier connector: kv_cache_format must be one of {KV_CACHE_FORMATS}, got {kv_format!r}")
+        return cls(
+            target=target, namespace=namespace, salt=salt.encode(), token=token, tls=tls,
+            insecure=_as_bool(extra, "insecure", False), use_planner=_as_bool(extra, "planner", True),
+            prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
+        )
+
+    def client(self, name: str) -> KVTierClient:
+        return KVTierClient(
+            self.target, token=self.token, tls=self.tls, insecure=self.insecure, name=name,
+            backoff=Backoff(total=self.connect_timeout), timeout=max(30.0, self.connect_timeout),
+        )
+
+
+def default_namespace(vllm_config: VllmConfig) -> str:
+    """`vllm/<served model name>`: the namespace when kv_connector_extra_config names none."""
+    model = vllm_config.model_config
+    served = model.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return "vllm/" + str(served or model.model).lstrip("/")
+
+
+def page_layout_for(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[PageLayout, list[str]]:
+    """The kvtier page layout of this engine's KV cache, and its attention layers in page order."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"kvtier connector: this model has {len(groups)} KV cache groups (sliding-window, linear or "
+            "other non-full attention layers); the connector supports models whose layers all use full attention"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec):
+        raise ValueError(f"kvtier connector: KV cache spec {type(spec).__name__} is not supported (full attention only)")
+    if getattr(spec, "sliding_window", None) is not None:
+        raise ValueError("kvtier connector: sliding-window attention is not supported")
+    head_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_v != spec.head_size:
+        raise ValueError(f"kvtier connector: K head size {spec.head_size} differs from V head size {head_v}")
+    if spec.block_size != block_size:
+        raise ValueError(f"kvtier connector: KV spec block size {spec.block_size} differs from cache block size {block_size}")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"kvtier connector: KV cache dtype {dtype} has no kvtier page dtype ({', '.join(DTYPE_BYTES)})")
+    layers = list(groups[0].layer_names)
+    layout = PageLayout(
+        layers=len(layers), kv_heads=spec.num_kv_heads, head_dim=spec.head_size, block_tokens=spec.block_size, dtype=dtype
+    )
+    return layout, layers
+
+
+def check_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse more than one worker per engine (the connector does not shard pages yet)."""
+    pc = vllm_config.parallel_config
+    sizes = {
+        "tensor_parallel_size": pc.tensor_parallel_size,
+        "pipeline_parallel_size": pc.pipeline_parallel_size,
+        "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),
+        "decode_context_parallel_size": getattr(pc, "decode_context_parallel_size", 1),
+    }
+    wide = {k: v for k, v in sizes.items() if v != 1}
+    if wide:
+        raise ValueError(
+            f"kvtier connector: {wide} is not supported yet; run one worker per engine "
+            "(data parallel engines each with their own connector are fine)"
+        )
