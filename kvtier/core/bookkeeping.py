@@ -3,24 +3,19 @@ at once. Trace replay (kvtier.replay) and the core's own tests drive a real Bloc
 with it, so policies and the index run exactly as in the daemon, without any tier."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from kvtier_client.ids import Slot
+from kvtier_client.ids import SessionId, Slot
 
 from kvtier.core.ports import DiskRecord, LoadJob
 
 
-@dataclass
+@dataclass(frozen=True)
 class LandedTransfer:
     """A promotion that has already landed (the ports' Transfer, with no CUDA event)."""
 
     ipc_handle: bytes = b""
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        self.done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return True
@@ -48,7 +43,7 @@ class BookkeepingMover:
     def boost(self, job: LoadJob) -> None:
         pass
 
-    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+    def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
         return []
 
     def forget(self, records: Iterable[DiskRecord]) -> None:

@@ -103,7 +103,7 @@ class Capacity:
             parent = block.parent[1] if block.parent else None
             moves.append((block.copies[Tier.HOST].slot, DiskRecord(ns, key, slot, parent)))
         for block, record in zip(fits, self.mover.store(moves)):
-            self.index.add_copy(block, Tier.DISK, Copy(Slot(record.slot), record=record))
+            self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=record))
             disk.counters.demotions += 1
             disk.counters.bytes_in += self.page_bytes
 

@@ -5,9 +5,10 @@ call), no I/O, no decisions.
 A copy's protection, one word each:
 
     pinned     held by read leases (`pins`): never evicted, never moved
-    protected  pinned, or `waiters` > 0, or `readers` > 0, or still `loading`, or (for
-               room-making that is not for a hint) held after a prefetch: the policy must
-               not choose it as a victim now
+    protected  pinned, or `waiters` > 0, or `readers` > 0, or still `loading`, or held
+               after a prefetch (`held_until`): the policy must not choose it as a victim
+               now. Held pages are given up only as a last resort for a real request,
+               never for a hint (kvtier.core.capacity.Capacity.make_room)
 
     waiters    requests working with this copy right now: an Acquire waiting for it to
                load, or a call keeping it while it makes room elsewhere
@@ -87,7 +88,7 @@ class RequestCounters:
     miss_blocks: int = 0  # of those, not cached
     acquired_pages: int = 0  # pages asked for by acquires
     ready_on_arrival: int = 0  # of those, already in the target tier and loaded
-    loading: int = 0  # host copies whose bytes are on their way
+    loads_in_flight: int = 0  # host copies whose bytes are on their way
 
 
 class BlockIndex:
@@ -96,7 +97,7 @@ class BlockIndex:
     def __init__(self, tiers: Iterable[TierState]) -> None:
         self.tiers: dict[Tier, TierState] = {state.tier: state for state in sorted(tiers, key=lambda s: s.tier)}
         self.blocks: dict[Ref, Block] = {}
-        self.counters = RequestCounters()
+        self.requests = RequestCounters()
         host_pages = self.tiers[Tier.HOST].slots.capacity
         #: The namespace whose data each host slot last held: a slot must be zeroed before
         #: a writer of another namespace gets it.
@@ -109,7 +110,7 @@ class BlockIndex:
             ref = (record.namespace, record.key)
             parent = (record.namespace, record.parent) if record.parent else None
             block = self.blocks[ref] = Block(ref, parent)
-            block.copies[Tier.DISK] = Copy(Slot(record.slot), record=record)
+            block.copies[Tier.DISK] = Copy(record.slot, record=record)
             state.policy.add(ref, parent)
             state.cached += 1
 

@@ -4,7 +4,7 @@
                           many callers: a second request joins the load in flight), read by
                           the mover's I/O workers; device-only blocks are copied down first
     finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one
-    wait_loaded(blocks)   the lock released, until the pages are loaded or time is up
+    wait_ready(blocks)    the lock released, until the pages are loaded or time is up
     promote(blocks)       host -> device in one copy-engine submission; returns at once
                           with the transfer the engine waits on; `finish_promote` when it lands
 
@@ -42,7 +42,9 @@ class Loads:
         """Register one waiter on each block's copy in `tier`, starting a load for each block
         that has none (joining a load in flight instead: one transfer per page).
 
-        Raises CapacityError, having changed nothing, when room for the loads cannot be made.
+        Raises CapacityError when room for the loads cannot be made, with no waiter or load
+        left behind; device-only pages may have been given a host copy by then (a copy
+        added, none lost).
         """
         index = self.index
         # Protect everything involved while room is made: the copies here (as waiters,
@@ -81,7 +83,7 @@ class Loads:
             source.readers += 1  # the disk slot must not be reused while we read it
             job = LoadJob(source.record, slot, kind, session, self.finish_load, priority)
             index.add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
-            index.counters.loading += 1
+            index.requests.loads_in_flight += 1
             self.mover.load(job)
 
     def finish_load(self, job: LoadJob, ok: bool) -> None:
@@ -93,7 +95,7 @@ class Loads:
             block.copies[Tier.DISK].readers -= 1
             copy.loading = False
             copy.job = None
-            index.counters.loading -= 1
+            index.requests.loads_in_flight -= 1
             state = index.tiers[Tier.HOST]
             if ok:
                 copy.held_until = time.monotonic() + self.prefetch_hold
@@ -107,7 +109,7 @@ class Loads:
                 self.capacity.drop([block], Tier.DISK)
             self.loaded.notify_all()
 
-    def wait_loaded(self, blocks: list[Block], timeout: float | None) -> int:
+    def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,
         or the time is up; returns how many leading blocks have a loaded host copy.
 
@@ -135,7 +137,7 @@ class Loads:
         return ready
 
     def wait_idle(self, timeout: float | None) -> bool:
-        return self.loaded.wait_for(lambda: self.index.counters.loading == 0, timeout)
+        return self.loaded.wait_for(lambda: self.index.requests.loads_in_flight == 0, timeout)
 
     # -- withdrawing ----------------------------------------------------------
     def cancel_session(self, session: SessionId) -> None:
@@ -152,7 +154,7 @@ class Loads:
             block.copies[Tier.DISK].readers -= 1
             copy = block.copies[Tier.HOST]
             copy.loading, copy.job, copy.waiters = False, None, 0
-            self.index.counters.loading -= 1
+            self.index.requests.loads_in_flight -= 1
             self.capacity.drop([block], Tier.HOST)
         if jobs:
             self.loaded.notify_all()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
-from kvtier_client.ids import Slot
+from kvtier_client.ids import SessionId, Slot
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class DiskRecord:
 
     namespace: str
     key: bytes
-    slot: int
+    slot: Slot
     parent: bytes | None = None
     length: int = 0
     checksum: int = 0
@@ -54,7 +54,7 @@ class LoadJob:
     record: DiskRecord
     host_slot: Slot
     kind: LoadKind
-    session: str
+    session: SessionId
     on_done: Callable[["LoadJob", bool], None]
     priority: int = 0  # among prefetches: higher first
     enqueued: float = field(default_factory=time.monotonic)
@@ -88,7 +88,7 @@ class PageMover(Protocol):
     def boost(self, job: LoadJob) -> None:
         """Run a queued prefetch load with Acquire priority."""
 
-    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+    def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
         """Withdraw a session's (None: every session's) queued loads that `cancellable`
         allows; returns them."""
 

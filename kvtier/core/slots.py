@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvtier_client.ids import Slot
+
 
 class SlotAllocator:
     def __init__(self, capacity: int, used: Iterable[int] = ()) -> None:
@@ -28,15 +30,15 @@ class SlotAllocator:
     def free_count(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
+    def alloc(self) -> Slot:
         """A free slot. The caller checked `free_count` first; an empty pool is a bug."""
         if not self._free:
             raise RuntimeError("slot allocator is empty: the caller must make room before allocating")
         slot = self._free.pop()
         self._is_free[slot] = 0
-        return slot
+        return Slot(slot)
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: Slot) -> None:
         if self._is_free[slot]:
             raise RuntimeError(f"double free of slot {slot}")
         self._is_free[slot] = 1

@@ -15,7 +15,10 @@ through the parts, each a module of its own:
     leases.py    leases and the sessions holding them (LeaseTable)
     capacity.py  make room: the policy proposes victims, evictions demote or drop
     loads.py     disk -> host loads, host -> device promotions, waiting for them
+    results.py   what the calls return (PrefixMatch, WriteGrant, ReadGrant, ...)
     ports.py     what the core needs from mechanism (PageMover, LoadJob, DiskRecord, Transfer)
+    slots.py     a tier's free slots (SlotAllocator)
+    bookkeeping.py  a mover with no bytes, for replay and tests
 
 The engine's path to a page, in four hops:
 
@@ -136,9 +139,9 @@ class BlockStore:
             tiers.append(block.best_tier)
         for tier in tiers:
             self._index.tiers[tier].counters.hits += 1
-        counters = self._index.counters
-        counters.lookup_blocks += len(keys)
-        counters.miss_blocks += len(keys) - len(tiers)
+        requests = self._index.requests
+        requests.lookup_blocks += len(keys)
+        requests.miss_blocks += len(keys) - len(tiers)
         return PrefixMatch(len(tiers), tuple(tiers))
 
     @_locked
@@ -148,10 +151,10 @@ class BlockStore:
                       state.pinned, TierCounters(**vars(state.counters)))
             for state in self._index.tiers.values()
         ]
-        c = self._index.counters
+        r = self._index.requests
         return StoreUsage(
-            tuple(tiers), c.lookup_blocks, c.miss_blocks, len(self._leases.leases), len(self._leases.sessions),
-            c.acquired_pages, c.ready_on_arrival, c.loading,
+            tuple(tiers), r.lookup_blocks, r.miss_blocks, len(self._leases.leases), len(self._leases.sessions),
+            r.acquired_pages, r.ready_on_arrival, r.loads_in_flight,
         )
 
     @_locked
@@ -274,9 +277,9 @@ class BlockStore:
             index.stop_waiting(on_device, Tier.DEVICE)
             raise
         ready_on_arrival = len(on_device) + sum(1 for b in via_host if not b.copies[Tier.HOST].loading)
-        index.counters.acquired_pages += len(blocks)
-        index.counters.ready_on_arrival += ready_on_arrival
-        host_ready = loads.wait_loaded(via_host, timeout)
+        index.requests.acquired_pages += len(blocks)
+        index.requests.ready_on_arrival += ready_on_arrival
+        host_ready = loads.wait_ready(via_host, timeout)
         # The ready prefix: device copies count as ready, host pages up to the first not loaded.
         ready_ids = set(map(id, on_device)) | set(map(id, via_host[:host_ready]))
         ready = 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from kvtier_client.ids import SessionId, Slot
+
 from kvtier.core.ports import DiskRecord, LoadJob
 from kvtier.mechanism.device import CopyEngine, Transfer
 from kvtier.mechanism.disk import DiskTier
@@ -27,7 +29,7 @@ class ArenaMover:
         self.reader = reader
         self.copies = copies
 
-    def clear_host(self, slot: int) -> None:
+    def clear_host(self, slot: Slot) -> None:
         self.host.clear(slot)
 
     def _disk(self) -> DiskTier:
@@ -40,7 +42,7 @@ class ArenaMover:
             raise RuntimeError("no disk tier configured: the core must not load pages from disk")
         return self.reader
 
-    def store(self, moves: Sequence[tuple[int, DiskRecord]]) -> list[DiskRecord]:
+    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
         return self._disk().write_pages([(record, self.host.view(slot)) for slot, record in moves])
 
     def load(self, job: LoadJob) -> None:
@@ -52,7 +54,7 @@ class ArenaMover:
     def boost(self, job: LoadJob) -> None:
         self._reader().boost(job)
 
-    def cancel(self, session: str | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+    def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
         return self.reader.cancel(session, cancellable) if self.reader is not None else []
 
     def forget(self, records: Iterable[DiskRecord]) -> None:
@@ -63,11 +65,11 @@ class ArenaMover:
             raise RuntimeError("no device tier configured: the core must not move pages to a device")
         return self.copies
 
-    def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
+    def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
         return self._copies().promote(pairs, on_done)
 
     def marker(self) -> Transfer:
         return self._copies().marker()
 
-    def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
+    def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
         self._copies().demote(pairs)

@@ -69,7 +69,8 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class TiersConfig:
-    """What each page layout's pool gets (kvtier.server.pools.PoolConfig.from_tiers)."""
+    """The tiers of each page layout's pool (kvtier.server.pools.PoolConfig.from_tiers) and
+    how many pools the registry keeps (`max_pools`)."""
 
     host_size: int
     disk_size: int
@@ -172,6 +173,9 @@ class Kind:
     metavar: str
     parse: Callable[[Any, str], Any]
     choices: tuple[str, ...] = ()  # offered by the flag; an enum kind also refuses others
+    #: Read only once the layers are merged: a bad value in the file that a flag or a
+    #: variable overrides is no error (sizes, durations and numbers are read per layer).
+    read_last: bool = False
 
     @staticmethod
     def of(enum: type[Enum], *, optional: bool = False) -> "Kind":
@@ -187,7 +191,7 @@ class Kind:
             except ValueError:
                 raise ConfigError(f"{key}: unknown {str(value)!r}; use {listed}") from None
 
-        return Kind("|".join(names), parse, names)
+        return Kind("|".join(names), parse, names, read_last=True)
 
 
 TEXT = Kind("TEXT", _text)
@@ -204,7 +208,7 @@ class Option:
     key: str  # TOML key; KVTIER_<KEY>; --<key-with-dashes>
     section: str
     kind: Kind
-    default: Any  # written as in a TOML file; "" = derived at load time (`shown` says how)
+    default: Any  # written as in a TOML file; for "" `shown` says what it means (off, or derived at load time)
     help: str  # one line for `kvtier serve --help`; docs/configuration.md says more
     shown: str = ""  # the default as --help and the docs show it, when not the default itself
     field: str = ""  # the field in its section, when not the key
@@ -299,20 +303,27 @@ def read_toml(path: str, what: str) -> dict[str, Any]:
 
 def load_config(path: str | None, env: Mapping[str, str], flags: Mapping[str, Any]) -> DaemonConfig:
     """Merge defaults, the TOML file at `path`, KVTIER_<KEY> variables and flags (not None)."""
-    given: dict[str, Any] = {}
+    given: dict[str, Any] = {}  # typed values, or as written for the `read_last` kinds
+
+    def take(option: Option, value: Any) -> None:
+        given[option.key] = value if option.kind.read_last else option.read(value)
+
     if path:
         for key, value in read_toml(path, "config file").items():
             if key not in BY_KEY:
                 raise ConfigError(f"config file {path}: unknown key {key!r}; see docs/configuration.md")
-            given[key] = BY_KEY[key].read(value)
+            take(BY_KEY[key], value)
     for option in OPTIONS:
         value = env.get(option.env)
         if value is not None and value != "":
-            given[option.key] = option.read(value)
+            take(option, value)
     for key, value in flags.items():
         if value is not None:
-            given[key] = BY_KEY[key].read(value)
-    values = {o.key: given[o.key] if o.key in given else o.read(o.default) for o in OPTIONS}
+            take(BY_KEY[key], value)
+    values = {}
+    for o in OPTIONS:
+        typed = o.key in given and not o.kind.read_last
+        values[o.key] = given[o.key] if typed else o.read(given.get(o.key, o.default))
     config = _tree(_resolve(values))
     _validate(config)
     return config

@@ -52,7 +52,11 @@ class PoolConfig:
     def from_tiers(cls, tiers: TiersConfig) -> "PoolConfig":
         """The daemon's tiers section: the options of the same name, plus the four that are
         spelled per pool here (sizes in bytes, the disk tier's directory)."""
-        same = {f.name for f in fields(cls)} & {f.name for f in fields(TiersConfig)}
+        renamed = {"host_bytes", "disk_bytes", "device_bytes", "disk_dir"}
+        same = {f.name for f in fields(cls)} - renamed
+        missing = same - {f.name for f in fields(TiersConfig)}
+        if missing:  # a renamed field would otherwise fall back to its default unnoticed
+            raise TypeError(f"TiersConfig has no {sorted(missing)} for PoolConfig; rename them in step")
         return cls(
             **{name: getattr(tiers, name) for name in same},
             host_bytes=tiers.host_size, disk_bytes=tiers.disk_size, device_bytes=tiers.device_size,
@@ -165,7 +169,8 @@ class Pool:
 
 class PoolRegistry:
     """The daemon's pools by layout id: made on a layout's first Register, up to max_pools,
-    closed at shutdown. Snapshots for Stats and metrics are taken without holding the store."""
+    closed at shutdown. Snapshots for Stats and metrics hold each store's lock only while
+    reading its counts, never the registry's lock."""
 
     def __init__(self, tiers: TiersConfig, observer: Observer | None = None) -> None:
         """`observer` hears of every pool's finished disk loads (metrics)."""
