@@ -28,9 +28,11 @@ def shm_prefix() -> str:
     prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
     yield prefix
     left = shm_leftovers(prefix)
-    for name in left:
+    tables = shm_leftovers("." + prefix)  # the arenas' slot tables (warm restart)
+    for name in left + tables:
         os.unlink(os.path.join(SHM_DIR, name))
     assert not left, f"test left shared-memory arenas behind: {left}"
+    assert not tables, f"test left slot tables behind: {tables}"
 
 
 class PoolFactory:

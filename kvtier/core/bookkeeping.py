@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from kvtier_client.ids import SessionId, Slot
 
-from kvtier.core.ports import DiskRecord, LoadJob
+from kvtier.core.ports import PageRecord, LoadJob
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,13 @@ class BookkeepingMover:
     def clear_host(self, slot: Slot) -> None:
         pass
 
-    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
+    def publish_host(self, records: Sequence[PageRecord]) -> None:
+        pass
+
+    def unpublish_host(self, slots: Sequence[Slot]) -> None:
+        pass
+
+    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
         return [replace(record, length=self.page_bytes) for _, record in moves]
 
     def load(self, job: LoadJob) -> None:
@@ -46,7 +52,7 @@ class BookkeepingMover:
     def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
         return []
 
-    def forget(self, records: Iterable[DiskRecord]) -> None:
+    def forget(self, records: Iterable[PageRecord]) -> None:
         pass
 
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[LandedTransfer, bool], None]) -> LandedTransfer:

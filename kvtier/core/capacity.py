@@ -6,12 +6,14 @@
     evict(tier, blocks)  device copies with no host copy are demoted to host, host copies
                          with no disk copy are copied to disk, as far as the next tier can
                          take them; then the copies go: device -> host -> disk -> gone
-    persist()            at a clean stop, host-only (and device-only) pages go to disk
+    persist(deadline)    at a clean stop, host-only (and device-only) pages go to disk, in
+                         batches that each become durable on their own
 
 Called by the store with its lock held. Demotions are synchronous mover calls.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvtier_client.errors import CapacityError
@@ -20,8 +22,12 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.index import Block, BlockIndex, Copy
-from kvtier.core.ports import DiskRecord, PageMover
+from kvtier.core.ports import PageMover, PageRecord
 from kvtier.policy import Ref
+
+#: Pages per durable step of the stop-time copy to disk: a kill during the stop keeps every
+#: batch written before it.
+PERSIST_BATCH = 64
 
 
 class Capacity:
@@ -101,7 +107,7 @@ class Capacity:
             ns, key = block.ref
             slot = disk.slots.alloc()
             parent = block.parent[1] if block.parent else None
-            moves.append((block.copies[Tier.HOST].slot, DiskRecord(ns, key, slot, parent)))
+            moves.append((block.copies[Tier.HOST].slot, PageRecord(ns, key, slot, parent)))
         for block, record in zip(fits, self.mover.store(moves)):
             self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=record))
             disk.counters.demotions += 1
@@ -133,23 +139,28 @@ class Capacity:
         for b, slot in zip(blocks, slots):  # filed only once the bytes are there
             self.index.host_owner[slot] = b.ref[0]
             self.index.add_copy(b, Tier.HOST, Copy(slot))
+        self.mover.publish_host([b.entry(Tier.HOST) for b in blocks])
         host.counters.demotions += len(blocks)
         host.counters.bytes_in += len(blocks) * self.page_bytes
 
     def drop(self, blocks: list[Block], tier: Tier) -> None:
-        """Drop each block's copy in `tier`; disk copies leave the persistent index in one batch."""
+        """Drop each block's copy in `tier`; disk copies leave the persistent index in one
+        batch, host copies the slot table, before their slots can be reused."""
+        if tier == Tier.HOST:
+            self.mover.unpublish_host([b.copies[Tier.HOST].slot for b in blocks])
         records = [r for b in blocks if (r := self.index.drop_copy(b, tier)) is not None]
         if records:
             self.mover.forget(records)
 
-    def persist(self) -> int:
+    def persist(self, deadline: float | None = None) -> int:
         """Copy host-only (and device-only, through host) pages to disk (clean shutdown),
         evicting colder disk-only pages if needed.
 
-        Host residency does not survive a restart; this keeps what the disk can hold. Pages
-        go in commit order (the index's insertion order), so a prefix is saved before its
-        suffixes, and no disk copy of a page that is also in host is given up for another.
-        Returns how many pages were copied.
+        This keeps what the disk can hold. Pages go in commit order (the index's insertion
+        order), so a prefix is saved before its suffixes, and no disk copy of a page that is
+        also in host is given up for another. They go in batches of PERSIST_BATCH, each
+        durable before the next starts (the disk tier commits its index per batch), and no
+        batch starts after `deadline` (time.monotonic()). Returns how many pages were copied.
         """
         tiers, blocks = self.index.tiers, self.index.blocks
         if Tier.DISK not in tiers:
@@ -161,10 +172,18 @@ class Capacity:
             except CapacityError:
                 pass  # host is full of leased pages: the device-only pages are not saved
         host_only = [b for b in blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
+        host_only = host_only[: tiers[Tier.DISK].slots.capacity]
         protected = self.index.protected(Tier.DISK)
         before = tiers[Tier.DISK].counters.demotions
-        self.copy_to_disk(
-            host_only[: tiers[Tier.DISK].slots.capacity],
-            keep=lambda ref: protected(ref) or Tier.HOST in blocks[ref].copies,
-        )
+        for start in range(0, len(host_only), PERSIST_BATCH):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            self.copy_to_disk(
+                host_only[start : start + PERSIST_BATCH],
+                keep=lambda ref: protected(ref) or Tier.HOST in blocks[ref].copies,
+            )
         return tiers[Tier.DISK].counters.demotions - before
+
+    def unsaved(self) -> int:
+        """Cached blocks with no disk copy: what a clean stop cannot keep on disk."""
+        return sum(1 for b in self.index.blocks.values() if Tier.DISK not in b.copies)

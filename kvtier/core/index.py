@@ -25,12 +25,15 @@ from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import Slot
 from kvtier_client.tiers import Tier
 
-from kvtier.core.ports import DiskRecord, LoadJob
+from kvtier.core.ports import LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, Ref
 
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE_BYTES = 255
+#: The owner of a host slot whose last contents are unknown (an adopted arena's free slots):
+#: equal to no namespace, so the slot is zeroed before any writer gets it.
+UNKNOWN_OWNER = "\0unknown"
 
 
 @dataclass
@@ -39,7 +42,7 @@ class Copy:
 
     slot: Slot
     pins: int = 0  # read leases holding this copy
-    record: DiskRecord | None = None  # disk copies: the persisted index entry
+    record: PageRecord | None = None  # disk copies: the persisted index entry
     loading: bool = False  # bytes still on their way (host: from disk; device: from host)
     waiters: int = 0  # requests waiting on or working with this copy now
     readers: int = 0  # copies in flight reading from this one (disk loads, promotions)
@@ -59,6 +62,12 @@ class Block:
     @property
     def best_tier(self) -> Tier:
         return min(self.copies)
+
+    def entry(self, tier: Tier) -> PageRecord:
+        """The persistent index entry of this block's copy in `tier` (length, checksum and
+        sequence are filled in by the tier that stores it)."""
+        namespace, key = self.ref
+        return PageRecord(namespace, key, self.copies[tier].slot, self.parent[1] if self.parent else None)
 
 
 @dataclass
@@ -94,16 +103,18 @@ class RequestCounters:
 class BlockIndex:
     """Blocks by reference and the tiers' slot states, for one layout."""
 
-    def __init__(self, tiers: Iterable[TierState]) -> None:
+    def __init__(self, tiers: Iterable[TierState], *, host_reused: bool = False) -> None:
+        """`host_reused`: the host arena held pages before (adopted after a crash), so no
+        free slot may be assumed clean."""
         self.tiers: dict[Tier, TierState] = {state.tier: state for state in sorted(tiers, key=lambda s: s.tier)}
         self.blocks: dict[Ref, Block] = {}
         self.requests = RequestCounters()
         host_pages = self.tiers[Tier.HOST].slots.capacity
         #: The namespace whose data each host slot last held: a slot must be zeroed before
         #: a writer of another namespace gets it.
-        self.host_owner: list[str | None] = [None] * host_pages
+        self.host_owner: list[str | None] = [UNKNOWN_OWNER if host_reused else None] * host_pages
 
-    def recover_disk(self, records: Iterable[DiskRecord]) -> None:
+    def recover_disk(self, records: Iterable[PageRecord]) -> None:
         """File the disk tier's persisted pages, oldest first (the policy's recency)."""
         state = self.tiers[Tier.DISK]
         for record in sorted(records, key=lambda r: r.seq):
@@ -114,13 +125,25 @@ class BlockIndex:
             state.policy.add(ref, parent)
             state.cached += 1
 
+    def recover_host(self, records: Iterable[PageRecord]) -> None:
+        """File the host pages adopted from a crashed daemon's arena, oldest first, next to
+        any disk copy of the same block."""
+        for record in sorted(records, key=lambda r: r.seq):
+            ref = (record.namespace, record.key)
+            block = self.blocks.get(ref)
+            if block is None:
+                parent = (record.namespace, record.parent) if record.parent else None
+                block = self.blocks[ref] = Block(ref, parent)
+            self.add_copy(block, Tier.HOST, Copy(record.slot))
+            self.host_owner[record.slot] = record.namespace
+
     def add_copy(self, block: Block, tier: Tier, copy: Copy) -> None:
         state = self.tiers[tier]
         block.copies[tier] = copy
         state.policy.add(block.ref, block.parent)
         state.cached += 1
 
-    def drop_copy(self, block: Block, tier: Tier) -> DiskRecord | None:
+    def drop_copy(self, block: Block, tier: Tier) -> PageRecord | None:
         """Remove one copy from the index and its tier; returns its disk record to forget, if any."""
         state = self.tiers[tier]
         copy = block.copies.pop(tier)

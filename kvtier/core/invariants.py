@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from kvtier_client.tiers import Tier
 
 from kvtier.core.leases import LeaseKind
-from kvtier.core.ports import DiskRecord
+from kvtier.core.ports import PageRecord
 from kvtier.core.store import BlockStore
 
 
@@ -33,7 +33,7 @@ def _require(condition: bool, message: str) -> None:
         raise InvariantViolation(message)
 
 
-def check_invariants(store: BlockStore, disk_records: Iterable[DiskRecord] | None = None) -> None:
+def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | None = None) -> None:
     """Raise InvariantViolation naming the first broken rule. `disk_records` is the disk
     tier's persisted index (DiskTier.records()); pass it to check rule 7."""
     for ref, block in store.blocks.items():

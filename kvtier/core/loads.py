@@ -101,6 +101,7 @@ class Loads:
                 copy.held_until = time.monotonic() + self.prefetch_hold
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
+                self.mover.publish_host([block.entry(Tier.HOST)])
             else:
                 # Waiting acquires see the copy gone and stop their ready prefix before it.
                 copy.waiters = 0

@@ -6,6 +6,8 @@ moves real bytes between the arenas and the disk, `kvtier.core.bookkeeping.Bookk
 only keeps the books (trace replay, core tests).
 
     clear_host       zero a host slot before another namespace writes it      synchronous
+    publish_host / unpublish_host   host pages in or out of the host tier's
+                     persistent slot table (warm restart)                     synchronous
     store / forget   host slots -> disk slots; disk pages out of the index     synchronous
     load             one disk page -> one host slot, `LoadJob.on_done` later   asynchronous
     prefetch_room / boost / cancel    the disk read queue's back-pressure and order
@@ -26,9 +28,10 @@ from kvtier_client.ids import SessionId, Slot
 
 
 @dataclass(frozen=True)
-class DiskRecord:
-    """One disk page's persistent index entry. `checksum` is xxh3-64 of the page's
-    `length` bytes; `seq` orders entries by write, so a restart rebuilds recency."""
+class PageRecord:
+    """One page's persistent index entry, in the tier whose slot it names (the disk tier's
+    LMDB index, the host tier's slot table). `checksum` is xxh3-64 of the page's `length`
+    bytes; `seq` orders entries by write, so a restart rebuilds recency."""
 
     namespace: str
     key: bytes
@@ -51,7 +54,7 @@ class LoadJob:
     """One disk page on its way into a host slot: queued, then started, then done. Until
     started it can be cancelled (its session ended) or boosted (an Acquire now waits)."""
 
-    record: DiskRecord
+    record: PageRecord
     host_slot: Slot
     kind: LoadKind
     session: SessionId
@@ -75,7 +78,14 @@ class PageMover(Protocol):
     def clear_host(self, slot: Slot) -> None:
         """Zero a host slot before it goes to a writer of another namespace."""
 
-    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
+    def publish_host(self, records: Sequence[PageRecord]) -> None:
+        """Record host pages whose bytes are final (committed, loaded, demoted) in the host
+        tier's persistent slot table, so that a daemon crash keeps them."""
+
+    def unpublish_host(self, slots: Sequence[Slot]) -> None:
+        """Take host slots out of the slot table; called before they can be reused."""
+
+    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
         """Copy host slots to the disk slots named in the records; return the stored records."""
 
     def load(self, job: LoadJob) -> None:
@@ -92,7 +102,7 @@ class PageMover(Protocol):
         """Withdraw a session's (None: every session's) queued loads that `cancellable`
         allows; returns them."""
 
-    def forget(self, records: Iterable[DiskRecord]) -> None:
+    def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove disk pages from the persistent index."""
 
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:

@@ -16,7 +16,7 @@ through the parts, each a module of its own:
     capacity.py  make room: the policy proposes victims, evictions demote or drop
     loads.py     disk -> host loads, host -> device promotions, waiting for them
     results.py   what the calls return (PrefixMatch, WriteGrant, ReadGrant, ...)
-    ports.py     what the core needs from mechanism (PageMover, LoadJob, DiskRecord, Transfer)
+    ports.py     what the core needs from mechanism (PageMover, LoadJob, PageRecord, Transfer)
     slots.py     a tier's free slots (SlotAllocator)
     bookkeeping.py  a mover with no bytes, for replay and tests
 
@@ -54,7 +54,7 @@ from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex, Copy, TierCounters, TierState, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import DiskRecord, LoadKind, PageMover
+from kvtier.core.ports import LoadKind, PageMover, PageRecord
 from kvtier.core.results import CommitOutcome, PrefixMatch, ReadGrant, StoreUsage, TierUsage, WriteGrant
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
@@ -73,7 +73,9 @@ class BlockStore:
     """Index, leases and sessions for one layout's host tier and optional device and disk tiers.
 
     `policy` makes one eviction policy object per tier (a policy class will do).
-    `recovered` is the disk tier's persisted index, filed as cached disk pages.
+    `recovered` is the disk tier's persisted index, filed as cached disk pages;
+    `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
+    that arena's other slots may hold anyone's bytes).
     """
 
     def __init__(
@@ -87,22 +89,26 @@ class BlockStore:
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         write_through: bool = False,
         prefetch_hold: float = 10.0,
-        recovered: Iterable[DiskRecord] = (),
+        recovered: Iterable[PageRecord] = (),
+        recovered_host: Iterable[PageRecord] = (),
+        host_reused: bool = False,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
         self.layout = layout
         self.write_through = write_through
-        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages), policy())]
+        adopted = list(recovered_host)
+        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy())]
         if device_pages > 0:
             tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy()))
         records = list(recovered) if disk_pages > 0 else []
         if disk_pages > 0:
             tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy()))
         self._lock = threading.RLock()
-        self._index = BlockIndex(tiers)
+        self._index = BlockIndex(tiers, host_reused=host_reused)
         if disk_pages > 0:
             self._index.recover_disk(records)
+        self._index.recover_host(adopted)
         self._leases = LeaseTable()
         self._capacity = Capacity(self._index, mover, layout)
         self._loads = Loads(self._index, self._capacity, mover, layout, self._lock, prefetch_hold)
@@ -227,6 +233,7 @@ class BlockStore:
             host.writing.discard(slot)
             host.slots.free(slot)
         self._leases.close(lease)
+        self._mover.publish_host([b.entry(Tier.HOST) for b in fresh])
         if self.write_through and Tier.DISK in index.tiers:
             self._capacity.copy_to_disk(fresh)
         return CommitOutcome(lease_id, len(fresh), tuple(duplicates))
@@ -353,10 +360,16 @@ class BlockStore:
         return self._loads.wait_idle(timeout)
 
     @_locked
-    def persist(self) -> int:
-        """Copy host-only (and device-only, through host) pages to disk at a clean stop;
-        returns how many (kvtier.core.capacity.Capacity.persist says which go)."""
-        return self._capacity.persist()
+    def persist(self, deadline: float | None = None) -> int:
+        """Copy host-only (and device-only, through host) pages to disk at a clean stop, in
+        durable batches, starting none after `deadline`; returns how many
+        (kvtier.core.capacity.Capacity.persist says which go)."""
+        return self._capacity.persist(deadline)
+
+    @_locked
+    def unsaved(self) -> int:
+        """Cached blocks with no disk copy."""
+        return self._capacity.unsaved()
 
     # -- leases and sessions --------------------------------------------------
     @_locked

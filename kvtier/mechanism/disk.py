@@ -20,7 +20,7 @@ from enum import Enum
 import xxhash
 from kvtier_client.layout import PageLayout
 
-from kvtier.core.ports import DiskRecord
+from kvtier.core.ports import PageRecord
 from kvtier.mechanism.directio import open_direct
 
 log = logging.getLogger(__name__)
@@ -147,23 +147,23 @@ class DiskTier:
             self.forget(gone)
 
     # -- index ----------------------------------------------------------------
-    def records(self) -> Iterator[DiskRecord]:
+    def records(self) -> Iterator[PageRecord]:
         """Every indexed page, in key order."""
         with self._env.begin(db=self._db) as txn:
             for raw_key, value in txn.cursor():
                 namespace, key = _decode_key(raw_key)
                 slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
                 parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
-                yield DiskRecord(namespace, key, slot, parent, length, checksum, seq)
+                yield PageRecord(namespace, key, slot, parent, length, checksum, seq)
 
-    def forget(self, records: Iterable[DiskRecord]) -> None:
+    def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove index entries; their slots' bytes are simply overwritten later."""
         with self._env.begin(write=True, db=self._db) as txn:
             for r in records:
                 txn.delete(_encode_key(r.namespace, r.key))
 
     # -- bytes ----------------------------------------------------------------
-    def write_pages(self, items: Sequence[tuple[DiskRecord, memoryview]]) -> list[DiskRecord]:
+    def write_pages(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
         """Write each page's slot from an aligned source (a host slot), `io_depth` writes in
         parallel, flush per the fsync policy, then commit the batch's index entries at once.
 
@@ -186,7 +186,7 @@ class DiskTier:
                 txn.put(_encode_key(r.namespace, r.key), value + parent)
         return stored
 
-    def _write_one(self, item: tuple[DiskRecord, memoryview]) -> int:
+    def _write_one(self, item: tuple[PageRecord, memoryview]) -> int:
         """pwrite one slot (straight from the host page: no bounce buffer); returns its checksum."""
         record, src = item
         written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
@@ -205,7 +205,7 @@ class DiskTier:
         os.fdatasync(self._fd)
         self._env.sync(True)
 
-    def read_page(self, record: DiskRecord, dest: memoryview) -> bool:
+    def read_page(self, record: PageRecord, dest: memoryview) -> bool:
         """Read a page into an aligned destination slot and verify it.
 
         False means the page is corrupt or torn: the caller must drop it (and it is counted).

@@ -3,7 +3,14 @@
 Slot i starts at ``i * layout.slot_bytes`` (a multiple of 4096, so direct I/O can read a
 disk page straight into it). The daemon holds an exclusive flock on the arena file for its
 whole life; that is how a second daemon, or a restarted one, tells a live arena from a
-stale one left by a crash (see docs/tiers.md, "Stale arenas").
+stale one left by a crash.
+
+Warm restart: beside the arena, a slot table (kvtier.mechanism.slottable) names the cached
+page in each slot with its checksum. A daemon that finds a stale arena of its own layout
+and size *adopts* it: every slot whose table entry is complete and whose bytes match the
+entry's checksum is cached again (`adopted`); every other slot is free, and the arena is
+marked `reused` so that the core zeroes a free slot before a writer of any namespace gets
+it (docs/tiers.md, "Warm restart").
 """
 from __future__ import annotations
 
@@ -12,10 +19,18 @@ import logging
 import mmap
 import os
 import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
+import xxhash
+from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.shm import shm_path
+
+from kvtier.core.ports import PageRecord
+from kvtier.mechanism.slottable import SlotTable, table_path
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +44,8 @@ class ArenaNoSpace(RuntimeError):
 
 
 class HostArena:
-    """The daemon's side of a host arena: creates, pre-touches, owns and removes it."""
+    """The daemon's side of a host arena: creates (or adopts), pre-touches, owns and removes
+    it, and keeps its slot table."""
 
     def __init__(self, name: str, layout: PageLayout, pages: int) -> None:
         if pages <= 0:
@@ -39,22 +55,33 @@ class HostArena:
         self.pages = pages
         self.size = pages * layout.slot_bytes
         self.stale_removed = False
+        #: Pages found again in a stale arena of a crashed daemon (empty for a new arena).
+        self.adopted: list[PageRecord] = []
+        #: True when the arena was adopted: its free slots may hold any namespace's bytes.
+        self.reused = False
+        self.adopt_seconds = 0.0
+        self._seq = 0
+        self._table: SlotTable | None = None
         self._fd = self._create_exclusive(shm_path(name))
         try:
             self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
+            if self.reused:
+                self._adopt()
+            else:
+                self._table = SlotTable(table_path(shm_path(name)), layout, pages, keep=False)
+                self._pretouch()
         except BaseException:
             self._unlink_and_close()
             raise
-        self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
-        self._pretouch()
 
     def _create_exclusive(self, path: str) -> int:
         """Create, size and lock the arena under a private name, then rename it into place.
 
         Nobody ever sees an arena that is unlocked or not yet sized, so a daemon starting at
         the same moment cannot mistake ours for a stale one. An existing arena whose lock is
-        free was left by a crashed daemon: its pages have no index (host residency is not
-        persisted) and may be half written, so it is replaced, not adopted.
+        free was left by a crashed daemon: it is adopted when it has our size and a slot
+        table of our layout (`reused`), replaced otherwise.
         """
         tmp = f"{path}.creating-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
@@ -81,6 +108,11 @@ class HostArena:
                     raise ArenaInUse(
                         f"host arena {self.name} is owned by a running daemon; stop it or give this one another arena prefix"
                     ) from None
+                if self._adoptable(path, stale):
+                    os.unlink(tmp)
+                    os.close(fd)
+                    fd, stale, self.reused = stale, -1, True  # keep the stale arena, and its lock
+                    return fd
                 log.warning("replacing stale host arena %s left by a daemon that exited uncleanly", self.name)
                 self.stale_removed = True
             os.rename(tmp, path)  # atomic; we still hold the stale one's lock, so no one else replaces it too
@@ -92,6 +124,54 @@ class HostArena:
             if stale >= 0:
                 os.close(stale)
         return fd
+
+    def _adoptable(self, path: str, fd: int) -> bool:
+        """A stale arena is ours to adopt if it has our size and a slot table of our shape."""
+        if os.fstat(fd).st_size != self.size:
+            return False
+        table = SlotTable(table_path(path), self.layout, self.pages, keep=True)
+        if table.matched:
+            self._table = table
+            return True
+        table.close(remove=True)
+        return False
+
+    def _adopt(self) -> None:
+        """Keep every slot whose table entry and bytes agree; clear the other entries."""
+        start = time.monotonic()
+        keep, bad = [], []
+        arena, slot_bytes = memoryview(self._mm), self.layout.slot_bytes
+        for record in self._table.entries():
+            at = record.slot * slot_bytes
+            page = arena[at : at + record.length]
+            if record.length == self.layout.page_bytes and xxhash.xxh3_64_intdigest(page) == record.checksum:
+                keep.append(record)
+            else:
+                bad.append(record.slot)
+        arena.release()
+        self._table.clear(bad)
+        self.adopted = keep
+        self._seq = max((r.seq for r in keep), default=0)
+        self.adopt_seconds = time.monotonic() - start
+        log.warning(
+            "adopted host arena %s left by a daemon that exited uncleanly: %d pages found again, %d dropped, %.3f s",
+            self.name, len(keep), len(bad), self.adopt_seconds,
+        )
+
+    def publish(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        """Enter cached pages in the slot table, each with the checksum of its bytes now:
+        from here a crash keeps them. The bytes must be final (committed, loaded, demoted)."""
+        published = []
+        for record in records:
+            self._seq += 1
+            checksum = xxhash.xxh3_64_intdigest(self.page(record.slot))
+            published.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=self._seq))
+            self._table.write(published[-1])
+        return published
+
+    def unpublish(self, slots: Sequence[Slot]) -> None:
+        """Take slots out of the slot table before they can be reused."""
+        self._table.clear(slots)
 
     def _pretouch(self) -> None:
         """Fault every OS page in now, so the first borrow does not pay for it."""
@@ -116,19 +196,30 @@ class HostArena:
         """Zero a slot, so a page handed to a new namespace carries none of the old one's data."""
         self.page(slot).fill(0)
 
-    def close(self) -> None:
-        """Unmap and remove the arena. Clients that still map it keep their mapping until they unmap."""
+    def close(self, *, keep: bool = False) -> None:
+        """Unmap and remove the arena and its slot table (with `keep`, leave both for the next
+        daemon to adopt). Clients that still map it keep their mapping until they unmap."""
         if self._fd < 0:
             return
+        if self._table is not None:
+            self._table.close(remove=not keep)
+            self._table = None
         del self._bytes
         try:
             self._mm.close()
         except BufferError:
             # A view is still exported (a test holding a page); the mapping goes with the process.
             log.debug("host arena %s still has exported views at close", self.name)
+        if keep:
+            os.close(self._fd)  # the lock goes with it: the arena is stale from now on
+            self._fd = -1
+            return
         self._unlink_and_close()
 
     def _unlink_and_close(self) -> None:
+        if self._table is not None:
+            self._table.close(remove=True)
+            self._table = None
         try:
             os.unlink(shm_path(self.name))
         except FileNotFoundError:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier_client.ids import SessionId, Slot
 
-from kvtier.core.ports import DiskRecord, LoadJob
+from kvtier.core.ports import PageRecord, LoadJob
 from kvtier.mechanism.device import CopyEngine, Transfer
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
@@ -42,7 +42,13 @@ class ArenaMover:
             raise RuntimeError("no disk tier configured: the core must not load pages from disk")
         return self.reader
 
-    def store(self, moves: Sequence[tuple[Slot, DiskRecord]]) -> list[DiskRecord]:
+    def publish_host(self, records: Sequence[PageRecord]) -> None:
+        self.host.publish(records)
+
+    def unpublish_host(self, slots: Sequence[Slot]) -> None:
+        self.host.unpublish(slots)
+
+    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
         return self._disk().write_pages([(record, self.host.view(slot)) for slot, record in moves])
 
     def load(self, job: LoadJob) -> None:
@@ -57,7 +63,7 @@ class ArenaMover:
     def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
         return self.reader.cancel(session, cancellable) if self.reader is not None else []
 
-    def forget(self, records: Iterable[DiskRecord]) -> None:
+    def forget(self, records: Iterable[PageRecord]) -> None:
         self._disk().forget(records)
 
     def _copies(self) -> CopyEngine:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, fields
 
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument
@@ -110,6 +111,8 @@ class Pool:
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),
+                recovered_host=self.host.adopted,
+                host_reused=self.host.reused,
             )
         except BaseException:
             self._close_tiers()
@@ -135,25 +138,33 @@ class Pool:
                 raise InvalidArgument(f"page index {index} outside the lease's {len(slots)} pages")
             self.host.page(slots[index])[:] = memoryview(data)
 
-    def close(self) -> None:
-        """Save host-only pages to disk, remove the host arena, close the disk index.
+    def close(self, deadline: float | None = None) -> None:
+        """Save host-only pages to disk (in durable batches, none started after `deadline`),
+        remove the host arena, close the disk index.
 
-        Disk pages stay for the next start; host residency does not survive a restart.
-        A second call does nothing (a second persist would write through a closed index).
-        The arena is removed even if saving fails.
+        Disk pages stay for the next start. When the deadline cut the copy short, the host
+        arena and its slot table are kept instead of removed: the next daemon adopts them
+        (warm restart), so a bounded stop loses nothing. A second call does nothing (a
+        second persist would write through a closed index). The arena is removed even if
+        saving fails.
         """
         if self._closed:
             return
         self._closed = True
+        keep_arena = False
         try:
             self.store.stop_loads()
             if self.reader is not None:
                 self.reader.close()  # loads in flight finish first
-            self.store.persist()
+            self.store.persist(deadline)
+            keep_arena = deadline is not None and time.monotonic() >= deadline and self.store.unsaved() > 0
+            if keep_arena:
+                log.warning("stop deadline passed before every host page reached disk; keeping the host arena "
+                            "for the next daemon to adopt", extra={"pool": self.pool_id, "unsaved": self.store.unsaved()})
         finally:
-            self._close_tiers()
+            self._close_tiers(keep_arena=keep_arena)
 
-    def _close_tiers(self) -> None:
+    def _close_tiers(self, *, keep_arena: bool = False) -> None:
         if self.copies is not None:
             self.copies.close()  # copies in flight land first
         if self._unpin_host is not None:
@@ -164,7 +175,7 @@ class Pool:
             self.reader.close()
         if self.disk is not None:
             self.disk.close()
-        self.host.close()
+        self.host.close(keep=keep_arena)
 
 
 class PoolRegistry:
@@ -231,6 +242,6 @@ class PoolRegistry:
     def open_leases(self) -> int:
         return sum(usage.leases for _, usage in self.snapshot())
 
-    def close_all(self) -> None:
+    def close_all(self, deadline: float | None = None) -> None:
         for pool in self._all():
-            pool.close()
+            pool.close(deadline)

@@ -25,7 +25,7 @@ def stop_all(daemons: list[Daemon]) -> list[str]:
             continue
         if code != 0:
             problems.append(f"daemon exited with {code} after SIGTERM:\n{d.log()}")
-        left = [n for n in os.listdir(SHM_DIR) if n.startswith(d.arena_prefix)]
+        left = [n for n in os.listdir(SHM_DIR) if n.startswith((d.arena_prefix, "." + d.arena_prefix))]
         if left:
             problems.append(f"daemon left host arenas behind: {left}")
             for name in left:

@@ -11,7 +11,7 @@ import xxhash
 from kvtier_client.layout import PageLayout
 
 from kvtier.mechanism.directio import DIRECT_ALIGN, aligned_buffer
-from kvtier.mechanism.disk import DiskLayoutMismatch, DiskRecord, DiskTier
+from kvtier.mechanism.disk import DiskLayoutMismatch, PageRecord, DiskTier
 
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages, 4096-byte slots
 
@@ -71,12 +71,12 @@ def page_buffer(seed: int):
 
 def write(tier: DiskTier, slot: int, seed: int, key: bytes | None = None, namespace="ns", parent=None):
     buf, data = page_buffer(seed)
-    [stored] = tier.write_pages([(DiskRecord(namespace, key or b"k%d" % slot, slot, parent), memoryview(buf))])
+    [stored] = tier.write_pages([(PageRecord(namespace, key or b"k%d" % slot, slot, parent), memoryview(buf))])
     buf.close()
     return stored, data
 
 
-def read(tier: DiskTier, record: DiskRecord) -> tuple[bool, bytes]:
+def read(tier: DiskTier, record: PageRecord) -> tuple[bool, bytes]:
     dest = aligned_buffer(LAYOUT.slot_bytes)
     ok = tier.read_page(record, memoryview(dest))
     data = bytes(dest[: LAYOUT.page_bytes])
@@ -133,9 +133,9 @@ def test_buffers_must_be_whole_slots(tmp_path, tiers):
     small = aligned_buffer(LAYOUT.page_bytes)
     big = aligned_buffer(2 * LAYOUT.slot_bytes)
     with pytest.raises(ValueError, match="one whole slot"):
-        tier.write_pages([(DiskRecord("ns", b"k", 0), memoryview(big)[: LAYOUT.page_bytes])])
+        tier.write_pages([(PageRecord("ns", b"k", 0), memoryview(big)[: LAYOUT.page_bytes])])
     with pytest.raises(ValueError, match="one whole slot"):
-        tier.read_page(DiskRecord("ns", b"k", 0), memoryview(big))
+        tier.read_page(PageRecord("ns", b"k", 0), memoryview(big))
     assert list(tier.records()) == []
     small.close()
     big.close()
@@ -183,7 +183,7 @@ def test_an_entry_whose_bytes_were_never_written_fails(disk_dir, tiers):
     # A crash after an index entry but before its data (or a stale entry) is caught too.
     tier = tiers(disk_dir, 2)
     record, _ = write(tier, 0, 3)
-    assert read(tier, DiskRecord("ns", b"ghost", 1, length=record.length, checksum=record.checksum))[0] is False
+    assert read(tier, PageRecord("ns", b"ghost", 1, length=record.length, checksum=record.checksum))[0] is False
 
 
 def test_layout_mismatch_on_reopen_raises(tmp_path, tiers):

@@ -63,7 +63,7 @@ class Daemons:
                 codes.append(None)
         # Only once all are down: a restarted daemon may reuse a killed one's arena prefix.
         for daemon, code in zip(self.started, codes):
-            left = arenas(daemon.arena_prefix)
+            left = arenas(daemon.arena_prefix) + arenas("." + daemon.arena_prefix)  # and their slot tables
             for name in left:
                 os.unlink(os.path.join(SHM_DIR, name))
             if code == 0 and left:

@@ -1,6 +1,7 @@
 """Stopping: SIGTERM is a clean exit that removes the socket and the host arenas, closes the
 disk index and keeps every committed page (a new daemon on the same cache dir serves the same
-bytes); a drain that times out still exits 0; after kill -9 the next daemon takes over."""
+bytes); a drain that times out still exits 0; after kill -9 the next daemon takes over and
+adopts the host arena (tests/server/test_warm_restart.py has the figures)."""
 from __future__ import annotations
 
 import os
@@ -85,7 +86,7 @@ def test_drain_timeout_releases_what_clients_still_hold(daemons, connect):
 
 def test_restart_after_kill_9(daemons, connect):
     """A crashed daemon leaves its socket and arena behind; the next one on the same paths
-    replaces both and serves what was written through to disk before the crash."""
+    replaces the socket, adopts the arena (warm restart) and serves the pages from host."""
     prefix = f"kvtier-test-crash-{uuid.uuid4().hex[:6]}"
     first = daemons.start("--write-through", "--arena-prefix", prefix)  # the last --arena-prefix wins
     first.arena_prefix = prefix  # so that teardown removes what the crash leaves, even if the test fails
@@ -105,9 +106,10 @@ def test_restart_after_kill_9(daemons, connect):
     second.arena_prefix = prefix
     s = connect(second.target).session("crash")
     assert s.reply.host_arena == arenas(prefix)[0]
-    assert "stale host arena" in second.log()
+    assert "adopted host arena" in second.log() and "3 pages found again" in second.log()
+    assert s.lookup(blocks).tiers == [pb.TIER_HOST] * 3
     read = s.acquire(blocks)
-    assert read.promoted == 3
+    assert read.promoted == 0  # found again in host: no disk read
     arena = Arena.of(s.reply)
     try:
         assert [arena.read(slot) for slot in read.slots] == [page(f"crash-{i}") for i in range(3)]

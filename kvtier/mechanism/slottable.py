@@ -1,0 +1,114 @@
+"""The host tier's slot table: which cached page each host slot holds, kept in a shared-memory
+file beside the arena so that it outlives the daemon process (warm restart).
+
+    /dev/shm/.<arena>.slots   a 4 KiB header, then one 512-byte entry per slot
+
+    header  magic, layout id, slot_bytes, pages      (a table of another shape is not adopted)
+    entry   state, lengths, page length, seq, page checksum, namespace, key, parent, crc
+
+Why a crash at any instant leaves it consistent: the daemon writes an entry (state CACHED,
+the page's xxh3-64, then the entry's own crc, last) only once the page's bytes are in the
+slot and will not change, and clears it (one byte, state FREE) before the slot can be handed
+to anyone else. A process crash leaves memory as it was at that instant: an entry being
+written fails its crc, a cleared one says FREE; either way the slot is simply free at the
+next start. A page whose bytes no longer match its entry's checksum (an engine that wrote
+into a read lease, a torn write) is dropped, never adopted. Nothing here survives a reboot:
+/dev/shm is memory.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+from kvtier_client.ids import Slot
+from kvtier_client.layout import PageLayout
+
+from kvtier.core.ports import PageRecord
+
+_MAGIC = b"kvtier-slots-v1\0"
+_HEADER = struct.Struct("<16s12sQQ")  # magic, layout id, slot_bytes, pages
+_HEADER_BYTES = 4096
+_ENTRY_BYTES = 512
+_FIELDS = struct.Struct("<BBBBIQQ")  # state, len(namespace), len(key), len(parent), length, seq, checksum
+_NAMES = _ENTRY_BYTES - 8 - _FIELDS.size  # namespace + key + parent bytes
+_CACHED, _FREE = 1, 0
+
+
+def table_path(arena_path: str) -> str:
+    """A hidden file beside the arena: no client can open it by a shared-memory name."""
+    directory, name = os.path.split(arena_path)
+    return os.path.join(directory, f".{name}.slots")
+
+
+class SlotTable:
+    """The slot table of one host arena. The daemon that owns the arena (its flock) is the
+    only writer; nothing else maps this file."""
+
+    def __init__(self, path: str, layout: PageLayout, pages: int, *, keep: bool) -> None:
+        """Open the table at `path` keeping its entries (`keep`, and only if it was written
+        for this layout and size: `matched`), or create it with every slot free."""
+        self.path = path
+        self.layout = layout
+        self.pages = pages
+        size = _HEADER_BYTES + pages * _ENTRY_BYTES
+        header = _HEADER.pack(_MAGIC, layout.layout_id.encode(), layout.slot_bytes, pages)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            current = os.pread(fd, _HEADER.size, 0)
+            self.matched = keep and current == header and os.fstat(fd).st_size == size
+            if not self.matched:
+                os.ftruncate(fd, 0)  # every entry of another shape is void
+                os.posix_fallocate(fd, 0, size)
+                os.pwrite(fd, header, 0)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._entries = np.frombuffer(self._mm, dtype=np.uint8, offset=_HEADER_BYTES).reshape(pages, _ENTRY_BYTES)
+
+    def write(self, record: PageRecord) -> None:
+        """Record that `record.slot` holds this page, its bytes final and checksummed."""
+        names = record.namespace.encode() + record.key + (record.parent or b"")
+        parent = len(record.parent or b"")
+        if len(names) > _NAMES:
+            raise ValueError(f"namespace, key and parent of {len(names)} bytes do not fit a slot entry ({_NAMES})")
+        body = _FIELDS.pack(_CACHED, len(record.namespace.encode()), len(record.key), parent, record.length,
+                            record.seq, record.checksum) + names
+        body = body.ljust(_ENTRY_BYTES - 8, b"\0")
+        entry = self._entries[record.slot]
+        entry[0] = _FREE  # never valid while half written, even before the crc is checked
+        entry[1 : _ENTRY_BYTES - 8] = np.frombuffer(body[1:], np.uint8)
+        entry[_ENTRY_BYTES - 8 :] = np.frombuffer(struct.pack("<Q", xxhash.xxh3_64_intdigest(body)), np.uint8)
+        entry[0] = _CACHED
+
+    def clear(self, slots: Sequence[int]) -> None:
+        """These slots hold no published page any more (before anyone may reuse them)."""
+        for slot in slots:
+            self._entries[slot, 0] = _FREE
+
+    def entries(self) -> Iterator[PageRecord]:
+        """Every slot whose entry is complete (state CACHED and its crc matches), in slot order."""
+        table = self._mm[_HEADER_BYTES:]  # one copy, then plain bytes slices: adoption time is per entry
+        for slot in np.flatnonzero(self._entries[:, 0] == _CACHED).tolist():
+            raw = table[slot * _ENTRY_BYTES : (slot + 1) * _ENTRY_BYTES]
+            (crc,) = struct.unpack_from("<Q", raw, _ENTRY_BYTES - 8)
+            if xxhash.xxh3_64_intdigest(raw[: _ENTRY_BYTES - 8]) != crc:
+                continue
+            _, ns_len, key_len, parent_len, length, seq, checksum = _FIELDS.unpack_from(raw)
+            at = _FIELDS.size
+            namespace = raw[at : at + ns_len].decode(errors="replace")
+            key = raw[at + ns_len : at + ns_len + key_len]
+            parent = raw[at + ns_len + key_len : at + ns_len + key_len + parent_len] or None
+            yield PageRecord(namespace, key, Slot(slot), parent, length, checksum, seq)
+
+    def close(self, *, remove: bool) -> None:
+        del self._entries
+        self._mm.close()
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
