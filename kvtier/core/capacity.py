@@ -93,7 +93,11 @@ class Capacity:
 
     def copy_to_disk(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> None:
         """Copy host pages to disk (demotion, or write-through), as many as the disk can take.
-        Disk pages for which `keep` is true (default: protected ones) are never evicted for room."""
+        Disk pages for which `keep` is true (default: protected ones) are never evicted for room.
+
+        A failing disk (the mover's store raises OSError: EIO, ENOSPC) takes none of the
+        batch: its slots are freed, the pages counted in the disk's `io_errors`, and the
+        caller goes on as if the disk were full (the mechanism logs the fault)."""
         if not blocks:
             return
         disk = self.index.tiers[Tier.DISK]
@@ -108,7 +112,14 @@ class Capacity:
             slot = disk.slots.alloc()
             parent = block.parent[1] if block.parent else None
             moves.append((block.copies[Tier.HOST].slot, PageRecord(ns, key, slot, parent)))
-        for block, record in zip(fits, self.mover.store(moves)):
+        try:
+            stored = self.mover.store(moves)
+        except OSError:
+            for _, record in moves:
+                disk.slots.free(record.slot)
+            disk.counters.io_errors += len(moves)
+            return
+        for block, record in zip(fits, stored):
             self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=record))
             disk.counters.demotions += 1
             disk.counters.bytes_in += self.page_bytes

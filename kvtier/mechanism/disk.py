@@ -5,15 +5,23 @@ write sequence number, so the tier's content survives a restart. Ordering rule: 
 bytes are written (and, with `fsync`, flushed) before its index entry commits, and every read
 is checked against the checksum; a crash between the two leaves either no entry or an entry
 whose checksum fails, and a failing page is dropped and counted, never returned.
+
+I/O faults (EIO, ENOSPC, a read-only filesystem) degrade the tier, never the daemon: a
+failed write batch commits no index entry and raises OSError (the core then drops or keeps
+those pages host-only), a failed read raises OSError (the load fails), a failed index
+deletion is retried with the next index transaction. Each is counted in `io_errors` and
+logged once per episode: a warning at the first failure after a success, an info line when
+the same kind of operation works again.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from enum import Enum
 
@@ -82,6 +90,9 @@ class DiskTier:
         self.pages = pages
         self.fsync = FsyncPolicy(fsync)
         self.corrupt_pages = 0
+        self.io_errors = 0  # failed reads, write batches, index updates and flushes
+        self._failing: dict[str, int] = {}  # "read" / "write" -> failures in the current episode
+        self._unforgotten: set[bytes] = set()  # index keys whose deletion failed: retried next transaction
         self.bytes_read = 0
         self.bytes_written = 0
         self._counter_lock = threading.Lock()
@@ -92,6 +103,7 @@ class DiskTier:
         synced = self.fsync is FsyncPolicy.BATCH
         import lmdb  # here, not at module level: a daemon without a disk tier runs without lmdb
 
+        self._faults = (OSError, lmdb.Error)  # what a failing device or a full filesystem raises
         self._env = lmdb.open(
             os.path.join(directory, "index.lmdb"),
             map_size=max(64 << 20, pages * 1024),
@@ -144,23 +156,66 @@ class DiskTier:
         gone = [r for r in self.records() if r.slot >= self.pages]
         if gone:
             log.warning("disk tier shrank to %d pages: forgetting %d pages beyond it", self.pages, len(gone))
-            self.forget(gone)
+            self._delete([_encode_key(r.namespace, r.key) for r in gone])  # at start: a failure is fatal
 
     # -- index ----------------------------------------------------------------
     def records(self) -> Iterator[PageRecord]:
-        """Every indexed page, in key order."""
+        """Every indexed page, in key order (less those whose deletion is still pending)."""
         with self._env.begin(db=self._db) as txn:
             for raw_key, value in txn.cursor():
+                if raw_key in self._unforgotten:
+                    continue
                 namespace, key = _decode_key(raw_key)
                 slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
                 parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
                 yield PageRecord(namespace, key, slot, parent, length, checksum, seq)
 
     def forget(self, records: Iterable[PageRecord]) -> None:
-        """Remove index entries; their slots' bytes are simply overwritten later."""
+        """Remove index entries; their slots' bytes are simply overwritten later.
+
+        Never raises for an I/O fault: the core has already let the copies go, so the keys
+        are kept and deleted by the next index transaction that works, always before any
+        entry that transaction adds (a reused slot is never named by two entries).
+        """
+        keys = [_encode_key(r.namespace, r.key) for r in records]
+        try:
+            self._delete(keys)
+        except self._faults as exc:
+            self._unforgotten.update(keys)
+            self._fault("write", f"removing {len(keys)} index entries", exc)
+
+    def _delete(self, keys: list[bytes]) -> None:
         with self._env.begin(write=True, db=self._db) as txn:
-            for r in records:
-                txn.delete(_encode_key(r.namespace, r.key))
+            self._delete_unforgotten(txn)
+            for key in keys:
+                txn.delete(key)
+        self._unforgotten.clear()
+
+    def _delete_unforgotten(self, txn) -> None:
+        for key in self._unforgotten:
+            txn.delete(key)
+
+    # -- faults ---------------------------------------------------------------
+    def _fault(self, kind: str, what: str, exc: BaseException) -> None:
+        """Count a failed operation; warn at the first of an episode of `kind` ("read", "write")."""
+        with self._counter_lock:
+            self.io_errors += 1
+            first = kind not in self._failing
+            self._failing[kind] = self._failing.get(kind, 0) + 1
+        if first:
+            log.warning(
+                "disk tier %s: %s failed (%s); %ss degrade the disk tier (pages dropped or kept host-only, "
+                "engines recompute) and are logged again only after they work", self.directory, what, exc, kind,
+            )
+
+    def _works(self, kind: str) -> None:
+        """An operation of `kind` succeeded: end its failure episode, if any."""
+        if kind not in self._failing:  # unlocked fast path: a stale answer only delays the line below
+            return
+        with self._counter_lock:
+            failures = self._failing.pop(kind, 0)
+        if failures:
+            log.info("disk tier %s: %ss work again after %d failures", self.directory, kind, failures)
 
     # -- bytes ----------------------------------------------------------------
     def write_pages(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
@@ -168,22 +223,41 @@ class DiskTier:
         parallel, flush per the fsync policy, then commit the batch's index entries at once.
 
         Returns the records as stored (with length, checksum and sequence filled in).
+        All or nothing: if any write, the flush or the index commit fails, no entry of the
+        batch is committed (pages whose bytes did reach their slots are not indexed: the
+        caller frees those slots) and OSError is raised, after every write has ended.
         """
         for _, src in items:
             if len(src) != self.layout.slot_bytes:
                 raise ValueError(f"source must be one whole slot of {self.layout.slot_bytes} bytes")
-        checksums = list(self._writers.map(self._write_one, items))
+        try:
+            stored = self._write_batch(items)
+        except self._faults as exc:
+            self._fault("write", f"writing {len(items)} pages", exc)
+            code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+            raise OSError(code, f"disk tier {self.directory}: writing {len(items)} pages failed: {exc}") from exc
+        self._works("write")
+        return stored
+
+    def _write_batch(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
+        futures = [self._writers.submit(self._write_one, item) for item in items]
+        wait(futures)  # all ended: no write to a slot the caller frees may still be in flight
+        checksums = [f.result() for f in futures]
+        seq = self._seq
         stored = []
         for (record, _), checksum in zip(items, checksums):
-            self._seq += 1
-            stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=self._seq))
+            seq += 1
+            stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq))
         if self.fsync is FsyncPolicy.BATCH and stored:
             os.fdatasync(self._fd)
         with self._env.begin(write=True, db=self._db) as txn:
+            self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's slot
             for r in stored:
                 parent = r.parent or b""
                 value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
                 txn.put(_encode_key(r.namespace, r.key), value + parent)
+        self._unforgotten.clear()
+        self._seq = seq
         return stored
 
     def _write_one(self, item: tuple[PageRecord, memoryview]) -> int:
@@ -198,7 +272,13 @@ class DiskTier:
 
     def _flush_every(self, interval: float) -> None:
         while not self._stop_flusher.wait(interval):
+            self._try_flush()
+
+    def _try_flush(self) -> None:
+        try:
             self.flush()
+        except self._faults as exc:
+            self._fault("write", "flushing", exc)
 
     def flush(self) -> None:
         """Make everything written so far durable: data first, then the index."""
@@ -212,7 +292,12 @@ class DiskTier:
         """
         if len(dest) != self.layout.slot_bytes:
             raise ValueError(f"destination must be one whole slot of {self.layout.slot_bytes} bytes")
-        got = os.preadv(self._fd, [dest], record.slot * self.layout.slot_bytes)
+        try:
+            got = os.preadv(self._fd, [dest], record.slot * self.layout.slot_bytes)
+        except OSError as exc:
+            self._fault("read", f"reading slot {record.slot}", exc)
+            raise
+        self._works("read")
         with self._counter_lock:
             self.bytes_read += got
         if got != len(dest) or xxhash.xxh3_64_intdigest(dest[: record.length]) != record.checksum:
@@ -228,8 +313,10 @@ class DiskTier:
             self._flusher.join()
             self._flusher = None
         self._writers.shutdown()
+        if self._fd >= 0 and self._unforgotten:
+            self.forget([])  # one more try at the deletions that failed
         if self._fd >= 0 and self.fsync is not FsyncPolicy.NEVER:
-            self.flush()
+            self._try_flush()  # a failing device must not keep the daemon from stopping
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +24,6 @@ from kvtier.core.ports import LoadJob, LoadKind
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,7 +142,7 @@ class DiskReader:
                 ok = self.disk.read_page(job.record, self.host.view(job.host_slot))
             except OSError:
                 # A failing device: the page cannot be trusted, so it goes like a corrupt one.
-                log.exception("reading disk slot %d failed", job.record.slot)
+                # DiskTier.read_page counted it (io_errors) and logs once per episode.
                 ok = False
             with self._cond:
                 self._in_flight -= 1

@@ -225,3 +225,90 @@ def test_shrinking_forgets_out_of_range_pages(disk_dir, tiers):
 def test_pages_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="at least one page"):
         DiskTier(str(tmp_path / "d"), LAYOUT, 0)
+
+
+# -- I/O faults: counted, logged once per episode, nothing half done ------------------------
+def failing(real, tier: DiskTier, slot: int):
+    """`real` (os.pwrite or os.preadv) failing with EIO at `slot` of `tier`'s slab."""
+    def call(fd, buf, offset):
+        if fd == tier._fd and offset == slot * LAYOUT.slot_bytes:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buf, offset)
+    return call
+
+
+class ReadOnlyIndex:
+    """The tier's LMDB environment with every write transaction failing."""
+
+    def __init__(self, env) -> None:
+        self.env = env
+
+    def begin(self, write=False, **kwargs):
+        if write:
+            import lmdb
+
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        return self.env.begin(write=write, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvtier.mechanism.disk" and r.levelname == "WARNING"]
+
+
+def test_a_failed_write_commits_none_of_its_batch(tmp_path, tiers, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="kvtier.mechanism.disk")
+    tier = tiers(str(tmp_path / "d"), 4)
+    monkeypatch.setattr(os, "pwrite", failing(os.pwrite, tier, 2))
+    bufs = [page_buffer(seed)[0] for seed in range(3)]
+    batch = [(PageRecord("ns", b"k%d" % slot, slot), memoryview(buf)) for slot, buf in enumerate(bufs)]
+    for _ in range(3):
+        with pytest.raises(OSError) as failed:
+            tier.write_pages(batch)
+        assert failed.value.errno == errno.EIO
+    # Slots 0 and 1 were written, but no entry of the batch was committed.
+    assert list(tier.records()) == []
+    assert tier.io_errors == 3 and len(warnings_of(caplog)) == 1  # one warning per episode
+    stored = tier.write_pages(batch[:2])  # the episode ends with a write that works...
+    assert [r.slot for r in tier.records()] == [0, 1] and stored[0].seq == 1
+    assert "writes work again after 3 failures" in caplog.text
+    with pytest.raises(OSError):
+        tier.write_pages(batch)  # ...so the next failure is a new episode
+    assert tier.io_errors == 4 and len(warnings_of(caplog)) == 2
+    for (_, view), buf in zip(batch, bufs):
+        view.release()
+        buf.close()
+
+
+def test_a_failed_index_write_fails_the_batch_and_defers_deletions(tmp_path, tiers, monkeypatch, caplog):
+    tier = tiers(str(tmp_path / "d"), 4)
+    kept, _ = write(tier, 0, 1)
+    gone, _ = write(tier, 1, 2)
+    monkeypatch.setattr(tier, "_env", ReadOnlyIndex(tier._env))
+    tier.forget([gone])  # no exception: the deletion waits for the next transaction
+    assert list(tier.records()) == [kept] and tier.io_errors == 1
+    with pytest.raises(OSError, match="writing 1 pages failed"):
+        write(tier, 1, 3, key=b"new")
+    assert list(tier.records()) == [kept] and tier.io_errors == 2
+    assert len(warnings_of(caplog)) == 1
+    monkeypatch.undo()
+    new, _ = write(tier, 1, 3, key=b"new")  # slot 1 reused: the deferred deletion commits with it
+    tier.close()
+    reopened = tiers(str(tmp_path / "d"), 4)
+    assert sorted(reopened.records(), key=lambda r: r.slot) == [kept, new]
+
+
+def test_a_failed_read_is_counted_and_raised(tmp_path, tiers, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="kvtier.mechanism.disk")
+    tier = tiers(str(tmp_path / "d"), 4)
+    bad, _ = write(tier, 0, 1)
+    good, data = write(tier, 1, 2)
+    monkeypatch.setattr(os, "preadv", failing(os.preadv, tier, 0))
+    for _ in range(2):
+        with pytest.raises(OSError):
+            read(tier, bad)
+    assert (tier.io_errors, tier.corrupt_pages, len(warnings_of(caplog))) == (2, 0, 1)
+    assert read(tier, good) == (True, data)
+    assert "reads work again after 2 failures" in caplog.text
