@@ -77,15 +77,17 @@ def render_stats(reply: pb.StatsResponse) -> str:
             f"{lay.block_tokens} tokens/page, {lay.dtype}, page {_human_bytes(pool.page_bytes)}; "
             f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed"
         )
-        header = ("tier", "capacity", "used", "leased", "cached", "hit rate", "evicted", "promoted", "demoted", "moved in", "corrupt", "read/s")
+        header = ("tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
+                  "demoted", "moved in", "corrupt", "io errors", "read/s")
         rows = [header]
         for t in pool.tiers:
             used = t.capacity_pages - t.free_pages
             hit_rate = t.hits / pool.lookup_blocks if pool.lookup_blocks else 0.0
             rows.append((
                 _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
-                str(t.cached_pages), f"{hit_rate:.3f}", str(t.evictions), str(t.promotions), str(t.demotions),
-                _human_bytes(t.bytes_in), str(t.corrupt_pages), _human_bytes(int(t.read_bytes_per_second)),
+                str(t.cached_pages), str(t.loading_pages), str(t.held_pages), f"{hit_rate:.3f}", str(t.evictions),
+                str(t.promotions), str(t.demotions), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
+                _human_bytes(int(t.read_bytes_per_second)),
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -100,7 +102,8 @@ def render_stats(reply: pb.StatsResponse) -> str:
 def stats(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, token: str | None, as_json: bool, watch: float | None) -> None:
     """Show per-tier capacity, use, hit rates and movement, plus sessions and leases.
 
-    Used = capacity - free; leased = borrowed (writing) + pinned by read leases."""
+    Used = capacity - free; leased = borrowed (writing) + pinned by read leases; of the cached
+    pages, loading ones are on their way in and held ones were loaded ahead of use."""
     address = _target(socket, target)
     channel = _channel(address, tls_ca, tls_cert, tls_key)
     stub = kvtier_pb2_grpc.KVTierStub(channel)

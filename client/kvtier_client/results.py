@@ -96,13 +96,21 @@ class TierStats:
     bytes_in: int
     corrupt_pages: int
     read_bytes_per_second: float  # measured by the daemon; 0.0 if it has no figure yet
+    loading_pages: int = 0  # cached, bytes still on their way
+    held_pages: int = 0  # loaded ahead of use, kept for the daemon's prefetch_hold
+    io_errors: int = 0  # failed reads or writes of this tier
+
+    @property
+    def idle_pages(self) -> int:
+        """Cached pages that are neither pinned, loading nor held: evictable now."""
+        return self.cached_pages - self.pinned_pages - self.loading_pages - self.held_pages
 
     @classmethod
     def from_proto(cls, m: pb.TierStats) -> "TierStats":
         return cls(
             tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
             m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
-            m.read_bytes_per_second,
+            m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors,
         )
 
 

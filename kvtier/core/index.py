@@ -89,7 +89,18 @@ class TierState:
     writing: set[Slot] = field(default_factory=set)
     cached: int = 0
     pinned: int = 0  # cached copies held by at least one read lease
+    loading: set[Ref] = field(default_factory=set)  # cached copies whose bytes are on their way
+    held: set[Ref] = field(default_factory=set)  # loaded copies with a hold set (it may have passed)
     counters: TierCounters = field(default_factory=TierCounters)
+
+    def breakdown(self, blocks: dict[Ref, "Block"], now: float) -> tuple[int, int, int]:
+        """(pinned, loading, held): cached copies in exactly one of these states (pinned
+        first, then loading, then held within its hold); the rest of `cached` is idle."""
+        loading = sum(1 for ref in self.loading if not blocks[ref].copies[self.tier].pins)
+        expired = {ref for ref in self.held if blocks[ref].copies[self.tier].held_until <= now}
+        self.held -= expired
+        held = sum(1 for ref in self.held if not blocks[ref].copies[self.tier].pins and ref not in self.loading)
+        return self.pinned, loading, held
 
 
 @dataclass
@@ -143,6 +154,21 @@ class BlockIndex:
         block.copies[tier] = copy
         state.policy.add(block.ref, block.parent)
         state.cached += 1
+        if copy.loading:
+            state.loading.add(block.ref)
+
+    def loaded(self, block: Block, tier: Tier) -> None:
+        """The copy's bytes have arrived (or its load was given up)."""
+        block.copies[tier].loading = False
+        self.tiers[tier].loading.discard(block.ref)
+
+    def hold(self, block: Block, tier: Tier, until: float) -> None:
+        """Keep a loaded copy until `until` (monotonic time) unless it is acquired first."""
+        block.copies[tier].held_until = until
+        if until:
+            self.tiers[tier].held.add(block.ref)
+        else:
+            self.tiers[tier].held.discard(block.ref)
 
     def drop_copy(self, block: Block, tier: Tier) -> PageRecord | None:
         """Remove one copy from the index and its tier; returns its disk record to forget, if any."""
@@ -153,6 +179,8 @@ class BlockIndex:
         state.policy.remove(block.ref)
         state.slots.free(copy.slot)
         state.cached -= 1
+        state.loading.discard(block.ref)
+        state.held.discard(block.ref)
         if not block.copies:
             del self.blocks[block.ref]
         return copy.record

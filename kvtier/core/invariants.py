@@ -11,6 +11,9 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
    the lease's CUDA event).
 6. Every lease belongs to its session's set and nothing else does.
 7. The disk tier's persistent index (LMDB) names exactly the disk copies, at the same slots.
+8. Stats add up: per tier, free + writing + cached == capacity, and pinned + loading + held
+   + idle == cached with none negative; the tier's set of loading copies is exactly the
+   copies marked loading.
 """
 from __future__ import annotations
 
@@ -92,6 +95,11 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
         )
         _require(state.cached == len(cached), f"{tier.label} counts {state.cached} cached pages, index has {len(cached)}")
         _require(state.pinned == pinned, f"{tier.label} counts {state.pinned} pinned pages, index has {pinned}")
+        loading_refs = {ref for ref, b in store.blocks.items() if tier in b.copies and b.copies[tier].loading}
+        _require(state.loading == loading_refs, f"{tier.label} tracks {len(state.loading)} loading copies, index has {len(loading_refs)}")
+        usage = store.stats().tier(tier)
+        _require(usage.free + usage.writing + usage.cached == usage.capacity, f"{tier.label} stats do not add up to capacity: {usage}")
+        _require(min(usage.pinned, usage.loading, usage.held, usage.idle) >= 0, f"{tier.label} stats break cached down wrongly: {usage}")
         if tier == Tier.HOST:
             _require(store.stats().loading == loading, f"store counts {store.stats().loading} loads, host has {loading} loading copies")
         _require(len(state.policy) == len(cached), f"{tier.label} policy tracks {len(state.policy)} pages, tier caches {len(cached)}")

@@ -93,12 +93,12 @@ class Loads:
             block = index.block_of(job)
             copy = block.copies[Tier.HOST]
             block.copies[Tier.DISK].readers -= 1
-            copy.loading = False
+            index.loaded(block, Tier.HOST)
             copy.job = None
             index.requests.loads_in_flight -= 1
             state = index.tiers[Tier.HOST]
             if ok:
-                copy.held_until = time.monotonic() + self.prefetch_hold
+                index.hold(block, Tier.HOST, time.monotonic() + self.prefetch_hold)
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
                 self.mover.publish_host([block.entry(Tier.HOST)])
@@ -154,7 +154,8 @@ class Loads:
             block = self.index.block_of(job)
             block.copies[Tier.DISK].readers -= 1
             copy = block.copies[Tier.HOST]
-            copy.loading, copy.job, copy.waiters = False, None, 0
+            self.index.loaded(block, Tier.HOST)
+            copy.job, copy.waiters = None, 0
             self.index.requests.loads_in_flight -= 1
             self.capacity.drop([block], Tier.HOST)
         if jobs:
@@ -208,7 +209,7 @@ class Loads:
             device = self.index.tiers[Tier.DEVICE]
             for b in blocks:
                 b.copies[Tier.HOST].readers -= 1
-                b.copies[Tier.DEVICE].loading = False
+                self.index.loaded(b, Tier.DEVICE)
                 if ok:
                     device.counters.promotions += 1
                     device.counters.bytes_in += self.page_bytes

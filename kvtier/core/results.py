@@ -52,13 +52,23 @@ class ReadGrant:
 
 @dataclass(frozen=True)
 class TierUsage:
+    """Every slot in exactly one state: free + writing + cached == capacity, and every
+    cached page exactly one of pinned, loading, held (a prefetched page within its hold)
+    or idle (evictable now)."""
+
     tier: Tier
     capacity: int
     free: int
     writing: int
     cached: int
     pinned: int
+    loading: int
+    held: int
     counters: TierCounters
+
+    @property
+    def idle(self) -> int:
+        return self.cached - self.pinned - self.loading - self.held
 
 
 @dataclass(frozen=True)

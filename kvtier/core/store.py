@@ -41,6 +41,7 @@ request that cannot be met raises CapacityError with every structure untouched.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import wraps
@@ -152,9 +153,10 @@ class BlockStore:
 
     @_locked
     def stats(self) -> StoreUsage:
+        now = time.monotonic()
         tiers = [
             TierUsage(state.tier, state.slots.capacity, state.slots.free_count, len(state.writing), state.cached,
-                      state.pinned, TierCounters(**vars(state.counters)))
+                      *state.breakdown(self._index.blocks, now), TierCounters(**vars(state.counters)))
             for state in self._index.tiers.values()
         ]
         r = self._index.requests
@@ -305,7 +307,7 @@ class BlockStore:
             index.stop_waiting(on_device, Tier.DEVICE)
         for b in blocks[:ready]:
             index.pin(b, tier)
-            b.copies[tier].held_until = 0.0  # pinned now; after release it ages like any page
+            index.hold(b, tier, 0.0)  # pinned now; after release it ages like any page
             state.policy.touch(b.ref)
         slots = [b.copies[tier].slot for b in blocks[:ready]]
         lease = self._leases.open(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])

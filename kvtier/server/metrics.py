@@ -37,7 +37,9 @@ class _StoreCollector:
         capacity = GaugeMetricFamily("kvtier_tier_capacity_pages", "Pages a tier can hold.", labels=labels)
         capacity_bytes = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes of KV a tier can hold.", labels=labels)
         pages = GaugeMetricFamily(
-            "kvtier_tier_pages", "Pages of a tier by state: free, writing (borrowed), cached, pinned (cached and read-leased).",
+            "kvtier_tier_pages",
+            "Pages of a tier by state: free + writing (borrowed) + cached = capacity; of the cached pages, pinned "
+            "(read-leased), loading (bytes on their way) and held (prefetched, within the hold); the rest are idle.",
             labels=[*labels, "state"],
         )
         hits = CounterMetricFamily("kvtier_hits", "Looked-up blocks whose fastest copy was in this tier.", labels=labels)
@@ -47,6 +49,10 @@ class _StoreCollector:
         demotions = CounterMetricFamily("kvtier_demotions", "Copies made in a tier from a faster tier.", labels=labels)
         moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes copied between tiers.", labels=["pool", "src", "dst"])
         corrupt = CounterMetricFamily("kvtier_corrupt_pages", "Pages dropped because they failed their checksum.", labels=labels)
+        io_errors = CounterMetricFamily(
+            "kvtier_io_errors", "Failed reads or writes of a tier (EIO, ENOSPC...): those pages were dropped or not copied.",
+            labels=labels,
+        )
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, page_bytes, stats in pools:
             misses.add_metric([pool_id], stats.miss_blocks)
@@ -55,7 +61,8 @@ class _StoreCollector:
                 lv = [pool_id, t.tier.label]
                 capacity.add_metric(lv, t.capacity)
                 capacity_bytes.add_metric(lv, t.capacity * page_bytes)
-                for state, value in (("free", t.free), ("writing", t.writing), ("cached", t.cached), ("pinned", t.pinned)):
+                for state, value in (("free", t.free), ("writing", t.writing), ("cached", t.cached), ("pinned", t.pinned),
+                                     ("loading", t.loading), ("held", t.held)):
                     pages.add_metric([*lv, state], value)
                 c = t.counters
                 hits.add_metric(lv, c.hits)
@@ -63,6 +70,7 @@ class _StoreCollector:
                 promotions.add_metric(lv, c.promotions)
                 demotions.add_metric(lv, c.demotions)
                 corrupt.add_metric(lv, c.corrupt_pages)
+                io_errors.add_metric(lv, c.io_errors)
                 # Promotions arrive from the next slower tier, demotions from the next faster.
                 if c.promotions:
                     moved.add_metric([pool_id, Tier(t.tier + 1).label, t.tier.label], c.promotions * page_bytes)
@@ -78,7 +86,8 @@ class _StoreCollector:
         yield arrivals
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
-        yield from (capacity, capacity_bytes, pages, hits, misses, evictions, promotions, demotions, moved, corrupt, leases, session_gauge)
+        yield from (capacity, capacity_bytes, pages, hits, misses, evictions, promotions, demotions, moved, corrupt,
+                    io_errors, leases, session_gauge)
 
 
 class _DiskCollector:

@@ -239,7 +239,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second")
+    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second", "loading_pages", "held_pages", "io_errors")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,9 @@ class TierStats(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LOADING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_pages: int
     free_pages: int
@@ -266,7 +269,10 @@ class TierStats(_message.Message):
     bytes_in: int
     corrupt_pages: int
     read_bytes_per_second: float
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ...) -> None: ...
+    loading_pages: int
+    held_pages: int
+    io_errors: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks")
