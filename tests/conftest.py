@@ -66,9 +66,9 @@ class PoolFactory:
         self.open.append(pool)
         return pool
 
-    def close(self, pool: Pool) -> None:
+    def close(self, pool: Pool, deadline: float | None = None) -> None:
         self.open.remove(pool)
-        pool.close()
+        pool.close(deadline)
 
     def close_all(self) -> None:
         while self.open:

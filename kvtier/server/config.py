@@ -271,7 +271,7 @@ OPTIONS: tuple[Option, ...] = (
            shown="derived from the socket path"),
     Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once."),
     Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
-    Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released."),
+    Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
     Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
     Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
     Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from concurrent import futures
 
@@ -25,11 +24,54 @@ from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
 from kvtier.server.sessions import SessionManager
 from kvtier.server.startup import preflight, tls_credentials
+from kvtier.server.wire_guard import WireGuard
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
-MAX_MESSAGE_BYTES = 256 << 20  # the slow path streams whole pages
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+#: Every request but a slow-path page: a Lookup of 1024 keys of 64 bytes is 66 KB, so 4 MiB
+#: takes ~60,000 keys per call.
+CONTROL_MESSAGE_BYTES = 4 << 20
+#: The largest page the slow path carries: the kvtier client's gRPC message limit.
+SLOW_PATH_PAGE_BYTES = 256 << 20
+#: A PageData's fields besides its bytes (a 32-character session id, lease id, index, tags).
+PAGE_ENVELOPE_BYTES = 1 << 10
+WRITE_PAGES = f"/{SERVICE_NAME}/WritePages"
+SERVER_STOP_GRACE_S = 1.0  # calls still running then are cancelled
+SERVER_STOP_WAIT_S = 5.0
+
+
+def wire_guard(config: DaemonConfig) -> WireGuard:
+    """Per-method request limits (docs/protocol.md): control calls small; a WritePages message
+    one page, and no page is larger than the host tier (a pool's host tier holds at least one)."""
+    page_message = min(config.tiers.host_size, SLOW_PATH_PAGE_BYTES) + PAGE_ENVELOPE_BYTES
+    return WireGuard(CONTROL_MESSAGE_BYTES, {WRITE_PAGES: page_message})
+
+
+class HealthService(health.HealthServicer):
+    """grpc's health servicer, answering List too, and watching only the services the daemon
+    reports on: grpc's Watch keeps an entry for every name ever asked for, which a caller
+    could grow without bound."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        super().__init__()
+        self.services = services
+
+    def List(self, request, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={name: self.Check(health_pb2.HealthCheckRequest(service=name), context) for name in self.services}
+        )
+
+    def Watch(self, request, context, send_response_callback=None):
+        if request.service in self.services:
+            return super().Watch(request, context, send_response_callback)
+        unknown = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        if send_response_callback is None:
+            return iter([unknown])
+        send_response_callback(unknown)
+        send_response_callback(None)  # ends the stream: the daemon never starts serving another service
+        return None
 
 
 class Daemon:
@@ -44,8 +86,8 @@ class Daemon:
             sessions=self.sessions, pools=self.pools, auth=Authorizer.from_config(config.auth), drain=self.drain,
             metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(),
         )
-        self.health = health.HealthServicer()
-        for name in ("", SERVICE_NAME):  # HealthServicer starts as SERVING; we are not, until start() ends
+        self.health = HealthService(("", SERVICE_NAME))
+        for name in self.health.services:  # HealthServicer starts as SERVING; we are not, until start() ends
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server: grpc.Server | None = None
         self._metrics_server = None
@@ -54,11 +96,14 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config
         listen = cfg.listen
+        guard = wire_guard(cfg)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc"),
+            interceptors=[guard],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC refuses a larger message from its length prefix, before reading it.
+                ("grpc.max_receive_message_length", guard.largest_message),
+                ("grpc.max_send_message_length", guard.largest_message),
                 # gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the same TCP
                 # port and silently take half of the connections (sessions it does not know).
                 ("grpc.so_reuseport", 0),
@@ -67,7 +112,7 @@ class Daemon:
         kvtier_pb2_grpc.add_KVTierServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self._server
+            (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
         self._server.add_insecure_port(f"unix:{listen.socket}")
         if listen.tcp:
@@ -81,7 +126,7 @@ class Daemon:
         self.sessions.start()
         if cfg.metrics.port:
             self._metrics_server, _ = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
-        for name in ("", SERVICE_NAME):
+        for name in self.health.services:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving",
@@ -93,7 +138,7 @@ class Daemon:
     def drain_and_stop(self) -> None:
         """Stop taking new leases, wait (bounded) for open ones, then release everything."""
         self.drain.close()
-        for name in ("", SERVICE_NAME):
+        for name in self.health.services:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         timeout = self.config.sessions.drain_timeout
         log.info("draining", extra={"leases": self.pools.open_leases(), "timeout_s": timeout})
@@ -101,9 +146,13 @@ class Daemon:
             log.warning("drain timed out; releasing the remaining leases", extra={"leases": self.pools.open_leases()})
         self.sessions.close_all("daemon shutdown")
         if self._server is not None:
-            self._server.stop(grace=1.0).wait()
+            # Bounded: a call gRPC never finishes must not keep the host pages from being saved.
+            if not self._server.stop(grace=SERVER_STOP_GRACE_S).wait(SERVER_STOP_WAIT_S):
+                log.warning("gRPC server did not stop in time; stopping anyway", extra={"waited_s": SERVER_STOP_WAIT_S})
         self.sessions.stop()
-        self.pools.close_all()
+        # The copy of host-only pages to disk gets drain_timeout too; what it has not copied
+        # by then stays in the host arena, which is then kept for the next daemon to adopt.
+        self.pools.close_all(deadline=time.monotonic() + timeout)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         try:
@@ -115,12 +164,20 @@ class Daemon:
 
 def run(config: DaemonConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain. Returns the exit code."""
-    preflight(config)
+    claims = preflight(config)  # this process's cache dir and socket, until it ends
     daemon = Daemon(config)
-    stop = threading.Event()
+    # The kernel may hand SIGTERM to any thread (gRPC's among them), and a Python handler only
+    # runs once the main thread wakes: an Event.wait() here would then sleep on. The signal's
+    # number written to a pipe wakes the main thread whichever thread received it.
+    signalled, wakeup = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    os.set_blocking(signalled, True)
+    signal.set_wakeup_fd(wakeup)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: None)  # installs the C handler that writes to the pipe
     daemon.start()
-    stop.wait()
+    os.read(signalled, 1)
     daemon.drain_and_stop()
+    # Only now, with the pools closed and the socket file removed; if anything above raised,
+    # the claims end with the process, after the OS has closed its files.
+    claims.release()
     return 0

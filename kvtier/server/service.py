@@ -26,6 +26,7 @@ from kvtier.server.drain import DrainGate
 from kvtier.server.metrics import Metrics
 from kvtier.server.pools import Pool, PoolRegistry
 from kvtier.server.sessions import SessionManager
+from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,14 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
         except KVTierError as exc:
             code = exc.code
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except grpc.RpcError:
+            # A stream's request iterator: the call ended under us (client cancelled, deadline,
+            # a message gRPC refused as over its limit). Nobody to answer, nothing to log.
+            code = "CANCELLED"
+            raise
         except Exception:
-            if context.code() is not None:  # already aborted by the method
+            if context.code() is not None:  # already aborted (by the method, or the wire guard on a stream)
+                code = context.code().name
                 raise
             code = "INTERNAL"
             log.exception("internal error in %s", name)
@@ -84,15 +91,20 @@ def _wait_timeout(request: pb.AcquireRequest) -> float | None:
 def _layout(request: pb.RegisterRequest) -> PageLayout:
     """The request's page layout, once its key hashing is known to match ours."""
     if request.hash_algorithm not in ALGORITHMS:
-        raise InvalidArgument(f"unknown hash_algorithm {request.hash_algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        raise InvalidArgument(f"unknown hash_algorithm {cut(request.hash_algorithm)!r}; use one of {', '.join(ALGORITHMS)}")
     expected = hash_fingerprint(request.hash_algorithm)
     if request.hash_fingerprint != expected:
         raise FailedPrecondition(
-            f"block-key fingerprint mismatch for {request.hash_algorithm}: client sent {request.hash_fingerprint!r}, "
+            f"block-key fingerprint mismatch for {request.hash_algorithm}: client sent {cut(request.hash_fingerprint)!r}, "
             f"daemon computes {expected}; the client's key hashing differs from docs/block-keys.md, upgrade or fix it"
         )
+    # The layout's message quotes a bad dtype or order: quote it cut (a cut string, ending in
+    # an ellipsis, is never a valid name, so cutting changes no verdict).
+    layout = pb.PageLayout()
+    layout.CopyFrom(request.layout)
+    layout.dtype, layout.order = cut(layout.dtype), cut(layout.order)
     try:
-        return layout_from_proto(request.layout)
+        return layout_from_proto(layout)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
 
@@ -105,6 +117,7 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
             promotions=t.counters.promotions, demotions=t.counters.demotions, bytes_in=t.counters.bytes_in,
             corrupt_pages=t.counters.corrupt_pages,
             read_bytes_per_second=bandwidth[t.tier].bytes_per_second if t.tier in bandwidth else 0.0,
+            loading_pages=t.loading, held_pages=t.held, io_errors=t.counters.io_errors,
         )
         for t in stats.tiers
     ]
@@ -128,7 +141,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         check_namespace(request.namespace)
         self.auth.authorize(request.namespace, context.invocation_metadata())  # before anything else is checked or revealed
         pool = self.pools.for_layout(_layout(request))
-        session = self.sessions.open(request.namespace, pool, request.client_name or "unnamed")
+        session = self.sessions.open(request.namespace, pool, cut(request.client_name) or "unnamed")  # free text, for logs
         tiers = [pb.TierInfo(tier=tier_to_proto(t.tier), capacity_pages=t.capacity) for t in pool.store.stats().tiers]
         return pb.RegisterResponse(
             session_id=session.session_id,

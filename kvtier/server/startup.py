@@ -1,8 +1,10 @@
 """Before the daemon serves: probe the machine for what the configuration asks (memory, disk,
-GPU, ports, certificates) and claim the socket path. Each refusal is a ConfigError whose one
-line says what to change; `kvtier serve` prints it and exits 2."""
+GPU, ports, certificates) and claim the cache directory and the socket path for this process
+(`Claims`). Each refusal is a ConfigError whose one line says what to change; `kvtier serve`
+prints it and exits 2."""
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -10,7 +12,6 @@ import socket
 import stat
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.mechanism.device import cuda_device_count
 from kvtier.server.config import ConfigError, DaemonConfig, ListenConfig, TiersConfig
@@ -18,8 +19,65 @@ from kvtier.server.config import ConfigError, DaemonConfig, ListenConfig, TiersC
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: DaemonConfig) -> None:
-    """Refuse a configuration that cannot work, with a one-line reason (ConfigError)."""
+class Claims:
+    """What makes this process the one daemon of its cache directory and of its socket: an
+    exclusive `flock` on a lock file in each (`.kvtier.lock` in cache_dir, `<socket>.lock`
+    beside the socket), taken without waiting, the holder's pid written into it.
+
+    Held for the daemon's whole life. The OS drops a flock when its process ends, however it
+    ends, so a killed daemon's directory and socket are free again at once: no stale lock to
+    clean up, no pid to check for liveness. `release()` comes only after a clean stop has
+    closed the pools and removed the socket file, so whoever takes a lock next finds the
+    directory closed and any socket file there stale. The lock files stay: unlinking one that
+    another process has open would let two processes each lock a different file of one name.
+    """
+
+    CACHE_DIR_LOCK = ".kvtier.lock"
+    SOCKET_LOCK_SUFFIX = ".lock"
+
+    def __init__(self) -> None:
+        self._held: list[int] = []  # descriptors of the locked files, in the order taken
+
+    def take(self, path: str) -> str | None:
+        """Lock `path` (created if missing) for this process and write our pid into it. None
+        when taken; when another process holds it, the pid it wrote ('' if not yet written)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the lock file {path} ({exc.strerror}); remove it or fix its permissions") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            return owner if owner.isdigit() else ""
+        self._held.append(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return None
+
+    def release(self) -> None:
+        """Drop every lock, newest first (the socket before the cache directory)."""
+        while self._held:
+            fd = self._held.pop()
+            os.ftruncate(fd, 0)  # a later refusal must not name a pid that is gone
+            os.close(fd)  # the only descriptor of that open file: closing it drops the flock
+
+
+def preflight(cfg: DaemonConfig) -> Claims:
+    """Refuse a configuration that cannot work, with a one-line reason (ConfigError); claim the
+    cache directory (when there is a disk tier) and the socket. The caller keeps the claims
+    until the daemon has stopped."""
+    claims = Claims()
+    try:
+        _check_and_claim(cfg, claims)
+    except BaseException:
+        claims.release()
+        raise
+    return claims
+
+
+def _check_and_claim(cfg: DaemonConfig, claims: Claims) -> None:
     listen, tiers = cfg.listen, cfg.tiers
     if listen.tls_cert:
         tls_credentials(listen)  # unreadable files fail now, not at bind time
@@ -29,6 +87,13 @@ def preflight(cfg: DaemonConfig) -> None:
         raise ConfigError(f"cache_dir {tiers.cache_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(tiers.cache_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"cache_dir {tiers.cache_dir} is not writable by this user; choose another with --cache-dir")
+    if tiers.disk_size:  # before anything in it is opened; without a disk tier nothing ever is
+        owner = claims.take(os.path.join(tiers.cache_dir, Claims.CACHE_DIR_LOCK))
+        if owner is not None:
+            raise ConfigError(
+                f"cache_dir {tiers.cache_dir} is in use by another kvtier daemon{_pid(owner)}; "
+                "stop it first or choose another --cache-dir"
+            )
     shm = shutil.disk_usage("/dev/shm")
     if tiers.host_size > shm.free:
         raise ConfigError(
@@ -51,7 +116,7 @@ def preflight(cfg: DaemonConfig) -> None:
         _check_port(listen.tcp, "tcp")
     if cfg.metrics.port:
         _check_port(f"{cfg.metrics.host}:{cfg.metrics.port}", "metrics_port")
-    _claim_socket(listen.socket)
+    _claim_socket(listen.socket, claims)
 
 
 def tls_credentials(listen: ListenConfig) -> grpc.ServerCredentials:
@@ -126,8 +191,9 @@ def _existing_slabs(cache_dir: str) -> int:
 _SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, terminating NUL included
 
 
-def _claim_socket(path: str) -> None:
-    """Create the socket's directory; replace a stale socket file, refuse a live daemon's."""
+def _claim_socket(path: str, claims: Claims) -> None:
+    """Create the socket's directory and take the socket's lock; then any socket file at `path`
+    is stale (its daemon died, or stopped before removing it) and is replaced."""
     if len(os.fsencode(path)) >= _SUN_PATH_MAX:
         raise ConfigError(
             f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most {_SUN_PATH_MAX - 1}: "
@@ -138,17 +204,16 @@ def _claim_socket(path: str) -> None:
         os.makedirs(directory, mode=0o770, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"socket directory {directory}: cannot create it ({exc.strerror})") from None
+    owner = claims.take(path + Claims.SOCKET_LOCK_SUFFIX)
+    if owner is not None:
+        raise ConfigError(f"another kvtier daemon is serving {path}{_pid(owner)}; stop it first or choose another --socket")
     if not os.path.lexists(path):
         return
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
         raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --socket")
-    channel = grpc.insecure_channel(f"unix:{path}")
-    try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-    except grpc.RpcError:
-        log.info("replacing stale socket", extra={"socket": path})
-        os.unlink(path)
-        return
-    finally:
-        channel.close()
-    raise ConfigError(f"another kvtier daemon is serving {path}; stop it first or choose another --socket")
+    log.info("replacing stale socket", extra={"socket": path})
+    os.unlink(path)
+
+
+def _pid(owner: str) -> str:
+    return f" (pid {owner})" if owner else ""

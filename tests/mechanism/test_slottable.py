@@ -8,6 +8,7 @@ free slots handed to a new writer).
 from __future__ import annotations
 
 import os
+import time
 
 from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
@@ -95,3 +96,19 @@ def test_free_slots_of_an_adopted_arena_are_zeroed_before_a_writer_gets_them(mak
     assert all(not again.host.page(slot).any() for slot in grant.slots)
     assert again.store.stats().tier(Tier.HOST).cached == 2
     again.store.release("s", grant.lease_id)
+
+
+def test_a_stop_whose_deadline_passes_keeps_the_arena_for_the_next_daemon(make_pool):
+    """Pool.close with a deadline already passed copies nothing to disk and keeps the arena
+    and its slot table instead of removing them: the next pool adopts every page."""
+    pool = make_pool(host_pages=4, disk_pages=8)
+    lease = pool.store.borrow("s", "ns", 3)
+    for i, slot in enumerate(lease.slots):
+        pool.host.page(slot)[:] = i + 1
+    pool.store.commit("s", lease.lease_id, [b"k0", b"k1", b"k2"])
+    make_pool.close(pool, deadline=time.monotonic() - 1)
+
+    again = make_pool(host_pages=4, disk_pages=8)
+    assert again.host.reused and len(again.host.adopted) == 3
+    assert again.store.lookup("ns", [b"k0", b"k1", b"k2"]).tiers == (Tier.HOST,) * 3
+    assert again.store.stats().tier(Tier.DISK).cached == 0  # nothing was copied: the arena kept them
