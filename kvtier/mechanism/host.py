@@ -83,47 +83,56 @@ class HostArena:
         free was left by a crashed daemon: it is adopted when it has our size and a slot
         table of our layout (`reused`), replaced otherwise.
         """
-        tmp = f"{path}.creating-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
-        stale = -1
+        stale = self._lock_stale(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            try:
-                # Reserve the memory now: a full /dev/shm fails here with ENOSPC instead of
-                # a SIGBUS on first touch.
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError as exc:
-                raise ArenaNoSpace(
-                    f"cannot reserve {self.size >> 20} MiB of shared memory for host arena {self.name} "
-                    f"({exc.strerror}); enlarge /dev/shm or lower host_size"
-                ) from None
-            try:
-                stale = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                pass
-            else:
-                try:
-                    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise ArenaInUse(
-                        f"host arena {self.name} is owned by a running daemon; stop it or give this one another arena prefix"
-                    ) from None
-                if self._adoptable(path, stale):
-                    os.unlink(tmp)
-                    os.close(fd)
-                    fd, stale, self.reused = stale, -1, True  # keep the stale arena, and its lock
-                    return fd
-                log.warning("replacing stale host arena %s left by a daemon that exited uncleanly", self.name)
-                self.stale_removed = True
-            os.rename(tmp, path)  # atomic; we still hold the stale one's lock, so no one else replaces it too
+            if stale >= 0 and self._adoptable(path, stale):
+                self.reused = True  # keep the stale arena, and its lock: no second arena is reserved
+                return stale
         except BaseException:
-            os.unlink(tmp)
-            os.close(fd)
+            os.close(stale)
             raise
+        tmp = f"{path}.creating-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                try:
+                    # Reserve the memory now: a full /dev/shm fails here with ENOSPC instead of
+                    # a SIGBUS on first touch.
+                    os.posix_fallocate(fd, 0, self.size)
+                except OSError as exc:
+                    raise ArenaNoSpace(
+                        f"cannot reserve {self.size >> 20} MiB of shared memory for host arena {self.name} "
+                        f"({exc.strerror}); enlarge /dev/shm or lower host_size"
+                    ) from None
+                if stale >= 0:
+                    log.warning("replacing stale host arena %s left by a daemon that exited uncleanly", self.name)
+                    self.stale_removed = True
+                os.rename(tmp, path)  # atomic; we still hold the stale one's lock, so no one else replaces it too
+            except BaseException:
+                os.unlink(tmp)
+                os.close(fd)
+                raise
         finally:
             if stale >= 0:
                 os.close(stale)
         return fd
+
+    def _lock_stale(self, path: str) -> int:
+        """The existing arena at `path`, locked by us (-1 when there is none); ArenaInUse when
+        a live daemon holds it."""
+        try:
+            stale = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return -1
+        try:
+            fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(stale)
+            raise ArenaInUse(
+                f"host arena {self.name} is owned by a running daemon; stop it or give this one another arena prefix"
+            ) from None
+        return stale
 
     def _adoptable(self, path: str, fd: int) -> bool:
         """A stale arena is ours to adopt if it has our size and a slot table of our shape."""
