@@ -49,6 +49,20 @@ def _found_and_wrong(session, arena: Arena, blocks: list[bytes]) -> tuple[int, l
     return found, wrong
 
 
+def _restart_and_read(daemons, connect, prefix: str, host_size: str, disk_size: str, namespace: str,
+                      blocks: list[bytes]):
+    """Start the next daemon on the same paths and read every block back: (daemon, session,
+    how many were found, the keys that read back wrong)."""
+    daemon = _start(daemons, prefix, host_size, disk_size)
+    s = connect(daemon.target).session(namespace)  # a layout's pool, and so its arena, opens at its first Register
+    arena = Arena.of(s.reply)
+    try:
+        found, wrong = _found_and_wrong(s, arena, blocks)
+    finally:
+        arena.close()
+    return daemon, s, found, wrong
+
+
 def test_kill_9_keeps_committed_host_pages(daemons, connect):
     """1,500 pages committed to host (write-back, never on disk), kill -9, restart: every
     page is found again in host with its bytes."""
@@ -62,16 +76,10 @@ def test_kill_9_keeps_committed_host_pages(daemons, connect):
     arena.close()
     assert first.stop(signal.SIGKILL) == -signal.SIGKILL
 
-    second = _start(daemons, prefix, "8MiB", "4MiB")
-    s = connect(second.target).session("warm")  # a layout's pool, and so its arena, is opened at its first Register
+    second, _, found, wrong = _restart_and_read(daemons, connect, prefix, "8MiB", "4MiB", "warm", blocks)
     log = second.log()
     adopted = re.search(r"(\d+) pages found again, (\d+) dropped, ([0-9.]+) s", log)
     assert adopted, log
-    arena = Arena.of(s.reply)
-    try:
-        found, wrong = _found_and_wrong(s, arena, blocks)
-    finally:
-        arena.close()
     assert wrong == []
     assert found >= 0.99 * len(blocks)
     assert found == int(adopted.group(1)) == len(blocks)
@@ -119,13 +127,7 @@ def test_kills_at_random_moments_never_serve_a_wrong_page(daemons, connect, roun
         assert not worker.is_alive()
         arena.close()
 
-    daemon = _start(daemons, prefix, "1MiB", "4MiB")
-    s = connect(daemon.target).session("kills")
-    arena = Arena.of(s.reply)
-    try:
-        found, wrong = _found_and_wrong(s, arena, written)
-    finally:
-        arena.close()
+    _, s, found, wrong = _restart_and_read(daemons, connect, prefix, "1MiB", "4MiB", "kills", written)
     assert wrong == []
     assert found > 0
     stats = s.conn.call("Stats", pb.StatsRequest())
@@ -153,11 +155,5 @@ def test_a_kill_during_the_stop_loses_nothing(daemons, connect, delay):
     time.sleep(delay)
     first.stop(signal.SIGKILL)
 
-    second = _start(daemons, prefix, "8MiB", "8MiB")
-    s = connect(second.target).session("stop")
-    arena = Arena.of(s.reply)
-    try:
-        found, wrong = _found_and_wrong(s, arena, blocks)
-    finally:
-        arena.close()
+    _, _, found, wrong = _restart_and_read(daemons, connect, prefix, "8MiB", "8MiB", "stop", blocks)
     assert wrong == [] and found == len(blocks)
