@@ -201,6 +201,10 @@ class HostArena:
         start = slot * self.layout.slot_bytes
         return self._bytes[start : start + self.layout.page_bytes]
 
+    def give(self, slot: int, namespace: str) -> None:
+        """Slot `slot` now holds `namespace`'s bytes: nothing of its previous holder may show."""
+        self.clear(slot)
+
     def clear(self, slot: int) -> None:
         """Zero a slot, so a page handed to a new namespace carries none of the old one's data."""
         self.page(slot).fill(0)

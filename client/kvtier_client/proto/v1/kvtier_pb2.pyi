@@ -21,6 +21,16 @@ class WaitPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT_NONE: _ClassVar[WaitPolicy]
     WAIT_ALL: _ClassVar[WaitPolicy]
     WAIT_DEADLINE: _ClassVar[WaitPolicy]
+
+class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_STATE_UNSPECIFIED: _ClassVar[BlockState]
+    BLOCK_CACHED: _ClassVar[BlockState]
+    BLOCK_NEVER_STORED: _ClassVar[BlockState]
+    BLOCK_EVICTED: _ClassVar[BlockState]
+    BLOCK_CORRUPT: _ClassVar[BlockState]
+    BLOCK_OTHER_LAYOUT: _ClassVar[BlockState]
+    BLOCK_BEYOND_PREFIX: _ClassVar[BlockState]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -29,6 +39,13 @@ WAIT_POLICY_UNSPECIFIED: WaitPolicy
 WAIT_NONE: WaitPolicy
 WAIT_ALL: WaitPolicy
 WAIT_DEADLINE: WaitPolicy
+BLOCK_STATE_UNSPECIFIED: BlockState
+BLOCK_CACHED: BlockState
+BLOCK_NEVER_STORED: BlockState
+BLOCK_EVICTED: BlockState
+BLOCK_CORRUPT: BlockState
+BLOCK_OTHER_LAYOUT: BlockState
+BLOCK_BEYOND_PREFIX: BlockState
 
 class PageLayout(_message.Message):
     __slots__ = ("layers", "kv_heads", "head_dim", "block_tokens", "dtype", "order")
@@ -69,12 +86,11 @@ class TierInfo(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id")
+    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
-    HOST_ARENA_FIELD_NUMBER: _ClassVar[int]
     HOST_ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -82,11 +98,12 @@ class RegisterResponse(_message.Message):
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page_bytes: int
     slot_bytes: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierInfo]
-    host_arena: str
     host_arena_bytes: int
     device_ipc_handle: bytes
     heartbeat_interval_ms: int
@@ -94,7 +111,9 @@ class RegisterResponse(_message.Message):
     pool_id: str
     device_arena_bytes: int
     device_pci_bus_id: str
-    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena: _Optional[str] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ...) -> None: ...
+    handoff_socket: str
+    session_key: str
+    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -274,21 +293,60 @@ class TierStats(_message.Message):
     io_errors: int
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ...) -> None: ...
 
+class NamespaceTierStats(_message.Message):
+    __slots__ = ("tier", "pages", "max_pages", "guaranteed_pages", "hits", "evictions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    pages: int
+    max_pages: int
+    guaranteed_pages: int
+    hits: int
+    evictions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., guaranteed_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "tiers", "lookup_blocks", "miss_blocks", "misses")
+    class MissesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    tiers: _containers.RepeatedCompositeFieldContainer[NamespaceTierStats]
+    lookup_blocks: int
+    miss_blocks: int
+    misses: _containers.ScalarMap[str, int]
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks")
+    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     layout: PageLayout
     page_bytes: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     lookup_blocks: int
     miss_blocks: int
-    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "pools", "sessions", "leases", "uptime_seconds")
@@ -303,6 +361,46 @@ class StatsResponse(_message.Message):
     leases: int
     uptime_seconds: float
     def __init__(self, version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "keys", "pool_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pool_id: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class BlockExplanation(_message.Message):
+    __slots__ = ("index", "state", "tier", "seconds_ago", "policy", "pool_id", "own_pressure")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    OWN_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    state: BlockState
+    tier: Tier
+    seconds_ago: float
+    policy: str
+    pool_id: str
+    own_pressure: bool
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[BlockState, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., seconds_ago: _Optional[float] = ..., policy: _Optional[str] = ..., pool_id: _Optional[str] = ..., own_pressure: _Optional[bool] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("blocks", "hit_blocks", "hashings")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HASHINGS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockExplanation]
+    hit_blocks: int
+    hashings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockExplanation, _Mapping]]] = ..., hit_blocks: _Optional[int] = ..., hashings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")

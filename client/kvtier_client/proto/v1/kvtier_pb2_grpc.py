@@ -85,6 +85,11 @@ class KVTierStub:
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvtier.v1.KVTier/Explain',
+                request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainResponse.FromString,
+                _registered_method=True)
         self.ReadPages = channel.unary_stream(
                 '/kvtier.v1.KVTier/ReadPages',
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ReadPagesRequest.SerializeToString,
@@ -160,6 +165,12 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadPages(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -224,6 +235,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsRequest.FromString,
                     response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainRequest.FromString,
+                    response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainResponse.SerializeToString,
             ),
             'ReadPages': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadPages,
@@ -506,6 +522,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Stats',
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Explain',
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainRequest.SerializeToString,
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,
