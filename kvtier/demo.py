@@ -41,7 +41,8 @@ def round_trip(client: KVTierClient, prompt: str, echo=click.echo) -> None:
         f"{'':15}layout {layout.layers} layers x {layout.kv_heads} kv heads x {layout.head_dim} dim, "
         f"{layout.block_tokens} tokens/page, {layout.dtype}: {pool.page_bytes} bytes/page"
     )
-    echo(f"{'':15}host arena /dev/shm/{pool.host_arena} mapped ({pool.host_arena_bytes // pool.slot_bytes} slots)")
+    echo(f"{'':15}session attached over {pool.handoff_socket}: this namespace's host arena mapped "
+         f"({pool.host_arena_bytes // pool.slot_bytes} slots, handed over as a file descriptor, no path)")
 
     token_ids = list(prompt.encode())  # a byte-level "tokenizer": one token per UTF-8 byte
     keys = client.block_keys(token_ids)

@@ -4,8 +4,11 @@ Tests talk to it over its real Unix socket (or TCP); nothing here imports the se
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
+import socket as sockets
 import subprocess
 import sys
 import time
@@ -46,6 +49,30 @@ class Daemon:
                 self.proc.wait()
                 raise AssertionError(f"daemon did not stop within {timeout}s after {sig!r}:\n{self.log()}")
         return self.proc.returncode
+
+
+def keeper_socket(daemon: "Daemon") -> Path:
+    """Where the daemon's arena keeper listens (kvtier.mechanism.keeper.keeper_path)."""
+    tag = hashlib.sha256(str(daemon.socket).encode()).hexdigest()[:8]
+    return daemon.cache_dir / f".kvtier-keeper-{tag}.sock"
+
+
+def stop_keeper(daemon: "Daemon") -> bool:
+    """End the arena keeper a daemon left running (after a kill, or a stop cut short),
+    freeing the host memory it held; False when there was none."""
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        directory = os.open(daemon.cache_dir, os.O_PATH) if daemon.cache_dir.is_dir() else -1
+        try:  # by the directory's descriptor: the full path may be too long for a socket address
+            sock.connect(f"/proc/self/fd/{directory}/{keeper_socket(daemon).name}")
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        finally:
+            if directory >= 0:
+                os.close(directory)
+        sock.send(json.dumps({"op": "exit"}).encode())
+        sock.recv(1)  # the keeper hangs up once everything is freed
+    return True
 
 
 def wait_serving(target: str, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None, proc=None) -> None:

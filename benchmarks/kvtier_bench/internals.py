@@ -39,11 +39,13 @@ __all__ = [
 ]
 
 
-def bench_pool(layout: PageLayout, pages: int, workdir: str, **config) -> Pool:
+def bench_pool(layout: PageLayout, pages: int, workdir: str, namespace: str = "bench", **config) -> Pool:
     """A pool in this process whose host and disk tiers each hold exactly `pages` pages of
-    `layout`: a real /dev/shm arena, the disk tier under `workdir`/tier, lru, write-back,
-    fsync per batch; `config` sets other PoolConfig fields (or overrides these)."""
-    return Pool(
+    `layout`: a real memfd host arena, the disk tier under `workdir`/tier, lru, write-back,
+    fsync per batch; `config` sets other PoolConfig fields (or overrides these). Every host
+    slot is given to `namespace` first, as the store does before a writer of it: the
+    baselines copy into the slots directly."""
+    pool = Pool(
         layout,
         PoolConfig(**{
             "host_bytes": pages * layout.slot_bytes,
@@ -56,3 +58,6 @@ def bench_pool(layout: PageLayout, pages: int, workdir: str, **config) -> Pool:
             **config,
         }),
     )
+    for slot in range(pages):  # what the store does on a slot's first borrow; it then finds them given
+        pool.host.give(slot, namespace)
+    return pool

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from kvtier_client.handoff import attach
 from kvtier_client.keys import block_keys, hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
@@ -91,29 +92,32 @@ def _measure(sock: str, echo_sock: str, iterations: int, n: int) -> dict:
     reg = stub.Register(pb.RegisterRequest(namespace="bench", layout=LAYOUT, hash_algorithm="xxh3-128",
                                            hash_fingerprint=hash_fingerprint("xxh3-128"), client_name="bench-rpc"))
     sid = reg.session_id
+    attachment = attach(reg.handoff_socket, sid, None)  # the session key; the arena is not needed here
+    os.close(attachment.arena_fd)
+    key = (("kvtier-session-key", attachment.session_key),)
     beating = threading.Event()
 
     def heartbeat() -> None:
         while not beating.wait(reg.heartbeat_interval_ms / 1000):
-            stub.Heartbeat(pb.HeartbeatRequest(session_id=sid))
+            stub.Heartbeat(pb.HeartbeatRequest(session_id=sid), metadata=key)
 
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         keys = block_keys(list(range(n * LAYOUT.block_tokens)), LAYOUT.block_tokens)
-        lease = stub.Borrow(pb.BorrowRequest(session_id=sid, count=n))
-        stub.Commit(pb.CommitRequest(session_id=sid, lease_id=lease.lease_id, keys=keys))
+        lease = stub.Borrow(pb.BorrowRequest(session_id=sid, count=n), metadata=key)
+        stub.Commit(pb.CommitRequest(session_id=sid, lease_id=lease.lease_id, keys=keys), metadata=key)
         lookup_req = pb.LookupRequest(session_id=sid, keys=keys)
         payload = lookup_req.SerializeToString()  # the echo carries the same bytes
 
         for _ in range(50):  # warm up both paths
-            stub.Lookup(lookup_req)
+            stub.Lookup(lookup_req, metadata=key)
             echo(payload)
         echo_samples = _time(lambda: echo(payload), iterations)
-        lookup_samples = _time(lambda: stub.Lookup(lookup_req), iterations)
+        lookup_samples = _time(lambda: stub.Lookup(lookup_req, metadata=key), iterations)
 
         def acquire_release() -> None:
-            got = stub.Acquire(pb.AcquireRequest(session_id=sid, keys=keys))
-            stub.Release(pb.ReleaseRequest(session_id=sid, lease_id=got.lease_id))
+            got = stub.Acquire(pb.AcquireRequest(session_id=sid, keys=keys), metadata=key)
+            stub.Release(pb.ReleaseRequest(session_id=sid, lease_id=got.lease_id), metadata=key)
 
         acq_samples = _time(acquire_release, iterations)
         echo2_samples = _time(lambda: (echo(payload), echo(payload)), iterations)
@@ -123,10 +127,10 @@ def _measure(sock: str, echo_sock: str, iterations: int, n: int) -> dict:
         start = time.perf_counter()
         for r in range(rounds):
             fresh = block_keys(list(range(n * LAYOUT.block_tokens)), LAYOUT.block_tokens, salt=f"r{r}".encode())
-            lease = stub.Borrow(pb.BorrowRequest(session_id=sid, count=n))
-            stub.Commit(pb.CommitRequest(session_id=sid, lease_id=lease.lease_id, keys=fresh))
-            got = stub.Acquire(pb.AcquireRequest(session_id=sid, keys=fresh))
-            stub.Release(pb.ReleaseRequest(session_id=sid, lease_id=got.lease_id))
+            lease = stub.Borrow(pb.BorrowRequest(session_id=sid, count=n), metadata=key)
+            stub.Commit(pb.CommitRequest(session_id=sid, lease_id=lease.lease_id, keys=fresh), metadata=key)
+            got = stub.Acquire(pb.AcquireRequest(session_id=sid, keys=fresh), metadata=key)
+            stub.Release(pb.ReleaseRequest(session_id=sid, lease_id=got.lease_id), metadata=key)
         elapsed = time.perf_counter() - start
         page_ops = rounds * n * 4 / elapsed  # each page borrowed, committed, acquired, released
         echo_calls = 4 * rounds
@@ -136,7 +140,7 @@ def _measure(sock: str, echo_sock: str, iterations: int, n: int) -> dict:
         echo_rate = echo_calls / (time.perf_counter() - start)
     finally:
         beating.set()
-        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=key)
         channel.close()
         echo_channel.close()
 

@@ -346,18 +346,14 @@ def run_client_host(
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[OpResult]:
     """Host put and get through a daemon subprocess and the client's mapping, each next to
-    np.copyto into / out of the same arena pages (mapped by this process), medians over `reps`."""
+    np.copyto into / out of the same arena pages (the client's own mapping), medians over `reps`."""
     seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in CLIENT_OPS}
     for rep in range(reps):
         progress(f"{page_bytes // 1024} KiB through the daemon and client: repetition {rep + 1} of {reps}")
         workdir = root / f"client-{page_bytes}-{rep}"
         with KvtierPages(workdir, layout, pages, batch=batch) as store:
             store.warm()
-            arena = store.arena()
-            try:
-                put, get = _client_rep(store, arena, engine, sink, rep)
-            finally:
-                arena.close()
+            put, get = _client_rep(store, store.arena(), engine, sink, rep)
         shutil.rmtree(workdir, ignore_errors=True)
         seconds["host put (client)"].append(put)
         seconds["host get (client)"].append(get)

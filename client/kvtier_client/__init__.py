@@ -20,17 +20,30 @@ from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, BlockKey, block_ke
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import ReadLease, WriteLease
 from kvtier_client.remote import RemotePages
-from kvtier_client.results import CommitResult, LookupResult, PoolInfo, PoolStats, Stats, TierStats
+from kvtier_client.results import (
+    BlockExplanation,
+    BlockReason,
+    CommitResult,
+    Explanation,
+    LookupResult,
+    PoolInfo,
+    PoolStats,
+    Stats,
+    TierStats,
+)
 from kvtier_client.tiers import Tier
 
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_ALGORITHM",
     "Backoff",
+    "BlockExplanation",
     "BlockKey",
+    "BlockReason",
     "CapacityError",
     "CommitResult",
     "DaemonRestarted",
+    "Explanation",
     "FailedPrecondition",
     "InvalidArgument",
     "KVTierClient",

@@ -25,7 +25,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -33,13 +33,15 @@ import numpy as np
 from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView
-from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, Unavailable
+from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable
+from kvtier_client.handoff import attach
 from kvtier_client.ids import LeaseId, SessionId, Slot, short_session
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.results import CommitResult, LookupResult, PoolInfo, Stats
+from kvtier_client.results import Explanation
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto, tier_from_proto, tier_to_proto
@@ -79,6 +81,7 @@ class _Session:
     whole when the client re-registers; leases keep the one they were taken in."""
 
     info: PoolInfo
+    key: str = field(repr=False)  # every call of the session carries it
     arena: HostArenaView | None
     device: DeviceArenaView | None = None  # opened on the first device lease
 
@@ -159,6 +162,12 @@ class KVTierClient:
     def layout(self) -> PageLayout:
         return self.pool.layout
 
+    @property
+    def host_arena(self) -> HostArenaView | None:
+        """This process's mapping of its namespace's host arena (None with map_arena=False);
+        the client unmaps it at close."""
+        return self._current().arena
+
     def register(self, namespace: str, layout: PageLayout, *, algorithm: str = keys_mod.DEFAULT_ALGORITHM) -> PoolInfo:
         """Open the session: one namespace, one layout, one block-key algorithm; map the arena."""
         self._check_open()
@@ -190,23 +199,34 @@ class KVTierClient:
             ),
         )
         info = PoolInfo.from_proto(reply, registration.namespace, registration.layout, registration.algorithm)
+        key = reply.session_key  # over TCP; a same-host session gets its key by attaching
         try:
             if info.heartbeat_interval <= 0:
                 raise KVTierError(f"daemon sent heartbeat_interval_ms={reply.heartbeat_interval_ms}; it must be positive")
-            arena = self._map(info) if self.map_arena else None
+            if not info.handoff_socket:
+                if self.map_arena:
+                    raise KVTierError(
+                        f"daemon at {self.target} lends no host memory to this client (it registered over TCP): a client "
+                        "on another host must pass map_arena=False and use kvtier_client.remote.RemotePages"
+                    )
+                return _Session(info, key, None)
+            attachment = attach(info.handoff_socket, info.session_id, self._conn.token, timeout=self._conn.timeout)
+            key = attachment.session_key
+            try:
+                arena = self._map(info, attachment.arena_fd) if self.map_arena else None
+            finally:
+                os.close(attachment.arena_fd)
         except BaseException:
-            self._close_session(info.session_id)
+            self._close_session(info.session_id, key)
             raise
-        return _Session(info, arena)
+        return _Session(info, key, arena)
 
-    def _map(self, info: PoolInfo) -> HostArenaView:
+    @staticmethod
+    def _map(info: PoolInfo, fd: int) -> HostArenaView:
         try:
-            return HostArenaView.open(info.host_arena, info.host_arena_bytes, info.layout, info.page_bytes, info.slot_bytes)
+            return HostArenaView.from_fd(fd, info.host_arena_bytes, info.layout, info.page_bytes, info.slot_bytes)
         except (OSError, ValueError) as exc:
-            raise KVTierError(
-                f"cannot map host arena {info.host_arena!r} ({exc}); a client on another host must pass "
-                "map_arena=False and use kvtier_client.remote.RemotePages"
-            ) from exc
+            raise KVTierError(f"cannot map the host arena the daemon handed over ({exc})") from exc
 
     def _current(self) -> _Session:
         session = self._session
@@ -234,7 +254,7 @@ class KVTierClient:
         if not self.is_current(session):
             return True
         try:
-            self._conn.unary("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id))
+            self._conn.unary("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), key=session.key)
         except NotFound:
             return True
         return False
@@ -249,8 +269,8 @@ class KVTierClient:
             self._session = fresh
             self.reconnects += 1
         log.warning(
-            "kvtier daemon at %s no longer knows session %s (restarted?); registered again as %s, arena %s",
-            self.target, short_session(stale.session_id), short_session(fresh.session_id), fresh.info.host_arena,
+            "kvtier daemon at %s no longer knows session %s (restarted?); registered again as %s",
+            self.target, short_session(stale.session_id), short_session(fresh.session_id),
         )
         stale.close()
         if self.on_reconnect is not None:
@@ -315,7 +335,7 @@ class KVTierClient:
             session = self._current()
             try:
                 self._conn.unary(
-                    "Heartbeat", pb.HeartbeatRequest(session_id=session.session_id),
+                    "Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), key=session.key,
                     timeout=max(session.info.heartbeat_interval, 1.0), retry=False,
                 )
             except NotFound:
@@ -350,7 +370,7 @@ class KVTierClient:
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading keys are cached, and the fastest tier of each."""
         reply = self._in_session(
-            lambda s: self._conn.unary("Lookup", pb.LookupRequest(session_id=s.session_id, keys=list(keys)))
+            lambda s: self._conn.unary("Lookup", pb.LookupRequest(session_id=s.session_id, keys=list(keys)), key=s.key)
         )
         return LookupResult.from_proto(reply)
 
@@ -360,6 +380,7 @@ class KVTierClient:
             lambda s: self._conn.unary(
                 "Prefetch",
                 pb.PrefetchRequest(session_id=s.session_id, keys=list(keys), tier=tier_to_proto(tier), priority=priority),
+                key=s.key,
             )
         )
         return reply.accepted
@@ -370,7 +391,7 @@ class KVTierClient:
         unless committed) or end it yourself with `commit` or `release`."""
 
         def call(session: _Session) -> WriteLease:
-            reply = self._conn.unary("Borrow", pb.BorrowRequest(session_id=session.session_id, count=count))
+            reply = self._conn.unary("Borrow", pb.BorrowRequest(session_id=session.session_id, count=count), key=session.key)
             return WriteLease(self, session, LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
 
         return self._in_session(call)
@@ -382,7 +403,7 @@ class KVTierClient:
             request = pb.CommitRequest(session_id=session.session_id, lease_id=lease.lease_id, keys=list(keys))
             if parent is not None:
                 request.parent = parent
-            reply = self._conn.unary("Commit", request)
+            reply = self._conn.unary("Commit", request, key=session.key)
             return CommitResult(reply.committed, tuple(reply.duplicates))
 
         result = self._for_lease(lease, call)
@@ -418,6 +439,7 @@ class KVTierClient:
                     session_id=session.session_id, keys=key_list, tier=tier_to_proto(tier),
                     wait=wait.value, deadline_ms=deadline_ms,
                 ),
+                key=session.key,
                 timeout=self._conn.timeout + deadline_ms / 1000,
             )
             return ReadLease(
@@ -431,7 +453,9 @@ class KVTierClient:
         """End a lease: unpin a read lease's pages, free a write lease's uncommitted pages."""
         self._for_lease(
             lease,
-            lambda s: self._conn.unary("Release", pb.ReleaseRequest(session_id=s.session_id, lease_id=lease.lease_id)),
+            lambda s: self._conn.unary(
+                "Release", pb.ReleaseRequest(session_id=s.session_id, lease_id=lease.lease_id), key=s.key
+            ),
         )
         lease.ended = True
 
@@ -444,7 +468,7 @@ class KVTierClient:
         session = self._lease_session(lease)
         request = pb.ReadPagesRequest(session_id=session.session_id, lease_id=lease.lease_id)
         try:
-            for message in self._conn.server_stream("ReadPages", request):
+            for message in self._conn.server_stream("ReadPages", request, key=session.key):
                 yield message.index, message.data
         except NotFound as exc:
             self._lease_not_found(lease, exc)
@@ -463,7 +487,7 @@ class KVTierClient:
                     else:
                         yield pb.PageData(index=i, data=data)
 
-            return self._conn.client_stream("WritePages", messages).pages
+            return self._conn.client_stream("WritePages", messages, key=session.key).pages
 
         return self._for_lease(lease, call)
 
@@ -486,17 +510,17 @@ class KVTierClient:
         session = self._session
         try:
             if session is not None:
-                self._close_session(session.session_id)
+                self._close_session(session.session_id, session.key)
         finally:
             self._conn.close()
             if session is not None:
                 session.close()
 
-    def _close_session(self, session_id: SessionId) -> None:
+    def _close_session(self, session_id: SessionId, key: str) -> None:
         try:
-            self._conn.unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), retry=False)
-        except (NotFound, Unavailable):
-            pass  # already gone, or the daemon is down and will time the session out
+            self._conn.unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), key=key, retry=False)
+        except (NotFound, Unavailable, PermissionDenied):
+            pass  # already gone; the daemon is down; or never attached (no key): it times the session out
 
     def __enter__(self) -> "KVTierClient":
         return self
@@ -510,3 +534,13 @@ class KVTierClient:
             f"session {short_session(session.session_id)} in {session.info.namespace!r}" if session else "not registered"
         )
         return f"KVTierClient({self.target!r}, {where})"
+
+    # -- diagnosis -------------------------------------------------------------
+    def explain(self, keys: Sequence[BlockKey]) -> Explanation:
+        """Why each key is or is not cached for this session: cached, evicted (when, by which
+        policy, whose pressure), dropped as corrupt, never stored, cached in another layout,
+        or beyond the longest cached prefix. Changes nothing, counts nothing."""
+        reply = self._in_session(
+            lambda s: self._conn.unary("Explain", pb.ExplainRequest(session_id=s.session_id, keys=list(keys)), key=s.key)
+        )
+        return Explanation.from_proto(reply)

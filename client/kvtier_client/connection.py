@@ -1,6 +1,7 @@
 """The gRPC connection to a daemon: channel, credentials, bearer token, error mapping, retries.
 
-It knows nothing of sessions. Every call carries the token, every failure comes back as a
+It knows nothing of sessions but their key: every call carries the token (and, for a call
+that names a session, that session's key), every failure comes back as a
 KVTierError subclass (kvtier_client.errors), and UNAVAILABLE -- the daemon starting,
 draining, restarting or not yet listening -- is retried with bounded exponential backoff.
 """
@@ -20,6 +21,9 @@ from kvtier_client.errors import Unavailable, from_rpc_error
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 T = TypeVar("T")
+
+#: The metadata key a session's calls carry its key under (the daemon checks it on every call).
+SESSION_KEY = "kvtier-session-key"
 
 
 @dataclass(frozen=True)
@@ -117,25 +121,32 @@ class Connection:
         self.target = target
         self.backoff = backoff
         self.timeout = timeout
+        self.token = token
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = open_channel(target, tls=tls, insecure=insecure, backoff=backoff)
         self.stub = kvtier_pb2_grpc.KVTierStub(self._channel)
         self._closed = threading.Event()
 
-    def unary(self, method: str, request, *, timeout: float | None = None, retry: bool = True):
-        """Call a unary RPC by name; retries UNAVAILABLE unless `retry` is False."""
+    def _metadata(self, key: str) -> tuple[tuple[str, str], ...]:
+        return (*self.metadata, (SESSION_KEY, key)) if key else self.metadata
+
+    def unary(self, method: str, request, *, key: str = "", timeout: float | None = None, retry: bool = True):
+        """Call a unary RPC by name (`key`: the key of the session it names); retries
+        UNAVAILABLE unless `retry` is False."""
         rpc = getattr(self.stub, method)
+        metadata = self._metadata(key)
         return self._retrying(
-            lambda: rpc(request, timeout=timeout or self.timeout, metadata=self.metadata), retry=retry, what=method
+            lambda: rpc(request, timeout=timeout or self.timeout, metadata=metadata), retry=retry, what=method
         )
 
-    def server_stream(self, method: str, request) -> Iterator:
+    def server_stream(self, method: str, request, *, key: str = "") -> Iterator:
         """Yield a server stream's messages. Retries only until the first message arrives:
         after that a retry could repeat what the caller already consumed."""
         rpc = getattr(self.stub, method)
+        metadata = self._metadata(key)
 
         def start():
-            stream = rpc(request, timeout=self.timeout, metadata=self.metadata)
+            stream = rpc(request, timeout=self.timeout, metadata=metadata)
             return stream, next(stream, None)
 
         stream, first = self._retrying(start, retry=True, what=method)
@@ -147,11 +158,12 @@ class Connection:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
 
-    def client_stream(self, method: str, requests: Callable[[], Iterable], *, retry: bool = True):
+    def client_stream(self, method: str, requests: Callable[[], Iterable], *, key: str = "", retry: bool = True):
         """Send a client stream built by `requests()` (called again on each retry)."""
         rpc = getattr(self.stub, method)
+        metadata = self._metadata(key)
         return self._retrying(
-            lambda: rpc(iter(requests()), timeout=self.timeout, metadata=self.metadata), retry=retry, what=method
+            lambda: rpc(iter(requests()), timeout=self.timeout, metadata=metadata), retry=retry, what=method
         )
 
     def _retrying(self, call: Callable[[], T], *, retry: bool, what: str) -> T:

@@ -1,6 +1,7 @@
 """What the client returns: small frozen dataclasses, so no protobuf message leaks to an engine."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvtier_client.ids import SessionId
@@ -23,8 +24,8 @@ class PoolInfo:
     page_bytes: int
     slot_bytes: int
     tiers: tuple[tuple[Tier, int], ...]  # (tier, capacity in pages), as the daemon listed them
-    host_arena: str  # /dev/shm name of the host arena
-    host_arena_bytes: int
+    handoff_socket: str  # where a same-host client attaches its session (empty over TCP)
+    host_arena_bytes: int  # size of this namespace's host arena (0 over TCP)
     heartbeat_interval: float  # seconds
     session_timeout: float  # seconds
     device_ipc_handle: bytes = b""  # the device arena's CUDA IPC handle; empty without a device tier
@@ -42,7 +43,7 @@ class PoolInfo:
             page_bytes=reply.page_bytes,
             slot_bytes=reply.slot_bytes,
             tiers=tuple((tier_from_proto(t.tier), t.capacity_pages) for t in reply.tiers),
-            host_arena=reply.host_arena,
+            handoff_socket=reply.handoff_socket,
             host_arena_bytes=reply.host_arena_bytes,
             heartbeat_interval=reply.heartbeat_interval_ms / 1000,
             session_timeout=reply.session_timeout_ms / 1000,
@@ -150,3 +151,66 @@ class Stats:
 
     def pool(self, pool_id: str) -> PoolStats | None:
         return next((p for p in self.pools if p.pool_id == pool_id), None)
+
+
+class BlockReason(enum.Enum):
+    """Why a block is or is not served: its state in the daemon (Explain). The miss reasons
+    carry the names Stats counts misses under."""
+
+    CACHED = "cached"  # in `tier`, part of the longest cached prefix
+    NEVER_STORED = "never_stored"  # no record in this namespace and layout (or too old to remember)
+    EVICTED = "evicted"  # evicted from `tier` by `policy`, `seconds_ago`
+    CORRUPT = "corrupt"  # dropped from `tier` after failing its checksum
+    OTHER_LAYOUT = "other_layout"  # cached in another pool (page layout): `pool_id`
+    BEYOND_PREFIX = "beyond_prefix"  # cached in `tier`, but after a block that is not
+
+
+_REASONS = {
+    pb.BLOCK_CACHED: BlockReason.CACHED,
+    pb.BLOCK_NEVER_STORED: BlockReason.NEVER_STORED,
+    pb.BLOCK_EVICTED: BlockReason.EVICTED,
+    pb.BLOCK_CORRUPT: BlockReason.CORRUPT,
+    pb.BLOCK_OTHER_LAYOUT: BlockReason.OTHER_LAYOUT,
+    pb.BLOCK_BEYOND_PREFIX: BlockReason.BEYOND_PREFIX,
+}
+
+
+@dataclass(frozen=True)
+class BlockExplanation:
+    """One key's answer: its state, and where and when it got there."""
+
+    index: int
+    reason: BlockReason
+    tier: Tier | None  # CACHED, BEYOND_PREFIX: where it is; EVICTED, CORRUPT: where it was
+    pool_id: str  # the pool the answer is about (OTHER_LAYOUT: the pool that has it)
+    seconds_ago: float = 0.0  # EVICTED, CORRUPT
+    policy: str = ""  # EVICTED: the eviction policy that chose it
+    own_pressure: bool = False  # EVICTED: to make room for this namespace (else another one)
+
+    @classmethod
+    def from_proto(cls, m: pb.BlockExplanation) -> "BlockExplanation":
+        if m.state not in _REASONS:
+            raise ValueError(f"block state {m.state} is not a known kvtier.v1.BlockState; is the daemon newer than this client?")
+        tier = tier_from_proto(m.tier) if m.tier != pb.TIER_UNSPECIFIED else None
+        return cls(m.index, _REASONS[m.state], tier, m.pool_id, m.seconds_ago, m.policy, m.own_pressure)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why each key is (not) served: `blocks[i]` answers for key i; the first `hit_blocks`
+    keys are the longest cached prefix. `hashings` are the settings the namespace's clients
+    registered with ("<algorithm> <block_tokens> tokens/block"): keys computed otherwise
+    never match."""
+
+    hit_blocks: int
+    blocks: tuple[BlockExplanation, ...]
+    hashings: tuple[str, ...]
+
+    @classmethod
+    def from_proto(cls, m: pb.ExplainResponse) -> "Explanation":
+        return cls(m.hit_blocks, tuple(BlockExplanation.from_proto(b) for b in m.blocks), tuple(m.hashings))
+
+
+def hashing(algorithm: str, block_tokens: int) -> str:
+    """How a client computes block keys, in the form of Explanation.hashings."""
+    return f"{algorithm} {block_tokens} tokens/block"

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
-from kvtier_client.shm import map_arena
+from kvtier_client.shm import map_fd
 
 if TYPE_CHECKING:
     import torch
@@ -100,9 +100,10 @@ class HostArenaView:
         self._bytes: np.ndarray | None = np.frombuffer(buffer, dtype=np.uint8)
 
     @classmethod
-    def open(cls, name: str, size: int, layout: PageLayout, page_bytes: int, slot_bytes: int) -> "HostArenaView":
-        """Map the arena `name` (a /dev/shm name from Register) of `size` bytes."""
-        return cls(map_arena(name, size), layout, page_bytes, slot_bytes)
+    def from_fd(cls, fd: int, size: int, layout: PageLayout, page_bytes: int, slot_bytes: int) -> "HostArenaView":
+        """Map `size` bytes of the arena in `fd` (the descriptor the daemon handed over when
+        the session attached; the caller still owns it)."""
+        return cls(map_fd(fd, size), layout, page_bytes, slot_bytes)
 
     def raw(self, slot: Slot, *, writable: bool) -> np.ndarray:
         """The page in `slot` as page_bytes uint8, zero copy."""

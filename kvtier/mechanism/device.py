@@ -4,7 +4,7 @@ that moves pages between them. Byte movement only; the core decides what moves.
     DeviceArena   one plain cudaMalloc allocation (never managed memory), slot i at
                   i * slot_bytes; its CUDA IPC memory handle goes to clients at Register,
                   which open it once and address pages by slot, zero copy.
-    pin_host      cudaHostRegister of the shared-memory host arena, so host <-> device
+    pin_host      cudaHostRegister of each namespace file of the host arena, so host <-> device
                   copies are DMA from and to the very pages engines map; undone at close.
     CopyEngine    two non-blocking streams, promotion (host -> device) and demotion
                   (device -> host): a load never queues behind a store, and the two
@@ -35,7 +35,7 @@ from typing import Any
 from kvtier_client.layout import PageLayout
 
 from kvtier.mechanism.bandwidth import Throughput
-from kvtier.mechanism.host import HostArena
+from kvtier.mechanism.host import HostArena, NamespaceMemory
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,25 @@ class DeviceArena:
 
 
 def pin_host(arena: HostArena, device_id: int = 0) -> Callable[[], None]:
-    """Page-lock the host arena for DMA; returns the function that unpins it."""
+    """Page-lock the host arena's memory files for DMA, each as it is mapped (one per
+    namespace); returns the function that unpins them."""
     cupy = _cupy()
-    with cupy.cuda.Device(device_id):
-        cupy.cuda.runtime.hostRegister(arena.address, arena.size, _HOST_REGISTER_PORTABLE)
+    pinned: list[int] = []
+    lock = threading.Lock()
+
+    def pin(memory: NamespaceMemory) -> None:
+        with lock, cupy.cuda.Device(device_id):
+            cupy.cuda.runtime.hostRegister(memory.address, arena.size, _HOST_REGISTER_PORTABLE)
+            pinned.append(memory.address)
+
+    for memory in arena.on_map(pin):
+        pin(memory)
 
     def unpin() -> None:
-        with cupy.cuda.Device(device_id):
-            cupy.cuda.runtime.hostUnregister(arena.address)
+        with lock, cupy.cuda.Device(device_id):
+            for address in pinned:
+                cupy.cuda.runtime.hostUnregister(address)
+            pinned.clear()
 
     return unpin
 
@@ -177,12 +188,27 @@ class CopyEngine:
         cupy = _cupy()
         if self._closed:
             raise RuntimeError("copy engine is closed")
-        src_base, dst_base = (self.host.address, self.device.ptr) if kind == _HOST_TO_DEVICE else (self.device.ptr, self.host.address)
+        to_device = kind == _HOST_TO_DEVICE
         for src, dst, count in coalesce(pairs):
-            cupy.cuda.runtime.memcpyAsync(
-                dst_base + dst * self.slot_bytes, src_base + src * self.slot_bytes,
-                count * self.slot_bytes, kind, stream.ptr,
-            )
+            host_first, device_first = (src, dst) if to_device else (dst, src)
+            for offset, n in self._same_file_runs(host_first, count):
+                host = self.host.slot_address(host_first + offset)
+                device = self.device.ptr + (device_first + offset) * self.slot_bytes
+                cupy.cuda.runtime.memcpyAsync(
+                    device if to_device else host, host if to_device else device,
+                    n * self.slot_bytes, kind, stream.ptr,
+                )
+
+    def _same_file_runs(self, first: int, count: int) -> list[tuple[int, int]]:
+        """(offset, length) runs of host slots first..first+count-1 held by one namespace
+        file each: consecutive slots of two namespaces are not consecutive in memory."""
+        runs: list[tuple[int, int]] = []
+        for offset in range(count):
+            if runs and self.host.holder(first + offset) is self.host.holder(first + offset - 1):
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((offset, 1))
+        return runs
 
     def promote(self, pairs: Sequence[tuple[int, int]], on_done: Callable[[Transfer, bool], None] | None) -> Transfer:
         """Copy (host slot, device slot) pairs on the promotion stream; returns at once.

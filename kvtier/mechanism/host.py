@@ -1,16 +1,24 @@
-"""Host tier: a POSIX shared-memory arena of fixed slots that clients map by name.
+"""Host tier: fixed slots of pinnable RAM, one memory file per namespace.
 
-Slot i starts at ``i * layout.slot_bytes`` (a multiple of 4096, so direct I/O can read a
-disk page straight into it). The daemon holds an exclusive flock on the arena file for its
-whole life; that is how a second daemon, or a restarted one, tells a live arena from a
-stale one left by a crash.
+Every namespace of a layout has its own memfd (anonymous shared memory, no path) spanning
+the whole slot range; slot i starts at ``i * layout.slot_bytes`` (a multiple of 4096, so
+direct I/O can read a disk page straight into it). The slots are shared: the core hands
+each slot to one namespace at a time (`give`), and only that namespace's file has memory
+behind it. When a slot passes to another namespace, its range is cut out of the previous
+holder's file (MADV_REMOVE frees it), so the new holder's file reads zeros there and the
+old one's bytes are gone from memory. A client is given its own namespace's file over the
+Unix socket (kvtier.server.handoff): it can map that and nothing else, and whatever it
+writes outside its leases lands in its own namespace's file only.
 
-Warm restart: beside the arena, a slot table (kvtier.mechanism.slottable) names the cached
-page in each slot with its checksum. A daemon that finds a stale arena of its own layout
-and size *adopts* it: every slot whose table entry is complete and whose bytes match the
-entry's checksum is cached again (`adopted`); every other slot is free, and the arena is
-marked `reused` so that the core zeroes a free slot before a writer of any namespace gets
-it (docs/tiers.md, "Warm restart").
+The files are sealed against shrinking and growing (a client cannot truncate them under
+the daemon) and are handed to the arena keeper (kvtier.mechanism.keeper) as they are made,
+with the slot table, so a crashed daemon's successor finds them again.
+
+Warm restart: the slot table (kvtier.mechanism.slottable) names the cached page in each
+slot with its namespace and checksum. A daemon that gets a crashed one's files back from
+the keeper *adopts* them: every slot whose table entry is complete and whose bytes (in its
+namespace's file) match the entry's checksum is cached again (`adopted`); every other slot
+is cut out of every file (docs/tiers.md, "Warm restart").
 """
 from __future__ import annotations
 
@@ -18,147 +26,215 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
 from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
-from kvtier_client.shm import shm_path
 
 from kvtier.core.ports import PageRecord
-from kvtier.mechanism.slottable import SlotTable, table_path
+from kvtier.mechanism.keeper import KeeperClient, KeptFile
+from kvtier.mechanism.slottable import SlotTable
 
 log = logging.getLogger(__name__)
 
+_SEALS = 0x0001 | 0x0002 | 0x0004  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
+_F_ADD_SEALS = 1033
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 
-class ArenaInUse(RuntimeError):
-    """Another live daemon owns an arena of this name."""
+
+@dataclass(eq=False)
+class NamespaceMemory:
+    """One namespace's memory file, mapped in the daemon."""
+
+    namespace: str
+    fd: int
+    mm: mmap.mmap
+    bytes: np.ndarray
+
+    @property
+    def address(self) -> int:
+        return self.bytes.ctypes.data
+
+    def cut(self, start: int, length: int) -> None:
+        """Free the memory behind [start, start + length): the file reads zeros there."""
+        self.mm.madvise(mmap.MADV_REMOVE, start, length)
+
+    def populate(self, start: int, length: int) -> None:
+        """Allocate and map [start, start + length) now, in one call, so that the first
+        write does not take a page fault per 4 KiB (what pre-touching the arena did)."""
+        try:
+            self.mm.madvise(_MADV_POPULATE_WRITE, start, length)
+        except OSError:
+            pass  # an older kernel: the first touch faults the pages in instead
+
+    def close(self) -> None:
+        del self.bytes
+        try:
+            self.mm.close()
+        except BufferError:
+            log.debug("host memory of namespace %s still has exported views at close", self.namespace)
+        os.close(self.fd)
 
 
-class ArenaNoSpace(RuntimeError):
-    """/dev/shm cannot hold the arena."""
+def _memfd(name: str, size: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class HostArena:
-    """The daemon's side of a host arena: creates (or adopts), pre-touches, owns and removes
-    it, and keeps its slot table."""
+    """The daemon's side of one layout's host tier: the namespaces' memory files, which
+    namespace holds each slot, and the slot table."""
 
-    def __init__(self, name: str, layout: PageLayout, pages: int) -> None:
+    def __init__(
+        self, name: str, layout: PageLayout, pages: int, *, keeper: KeeperClient | None = None,
+        kept: Iterable[KeptFile] = (),
+    ) -> None:
+        """`keeper` holds every file made here for a successor; `kept` are the files a
+        crashed predecessor left with it for this layout (adopted when they fit)."""
         if pages <= 0:
             raise ValueError(f"host arena needs at least one page, got {pages}")
         self.name = name
         self.layout = layout
         self.pages = pages
         self.size = pages * layout.slot_bytes
-        self.stale_removed = False
-        #: Pages found again in a stale arena of a crashed daemon (empty for a new arena).
+        #: Pages found again in a crashed daemon's arena (empty for a new arena).
         self.adopted: list[PageRecord] = []
-        #: True when the arena was adopted: its free slots may hold any namespace's bytes.
-        self.reused = False
         self.adopt_seconds = 0.0
+        self._keeper = keeper
+        self._lock = threading.Lock()  # the memory table: the handoff thread asks for files too
+        self._memory: dict[str, NamespaceMemory] = {}
+        self._owner: list[str | None] = [None] * pages
+        self._on_map: list[Callable[[NamespaceMemory], None]] = []
         self._seq = 0
-        self._table: SlotTable | None = None
-        self._fd = self._create_exclusive(shm_path(name))
+        kept = list(kept)
+        table_fd, adopting = self._table_file(kept)
         try:
-            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
-            if self.reused:
-                self._adopt()
+            self._table = SlotTable(table_fd, layout, pages, keep=adopting)
+            if self._table.matched:
+                self._adopt(kept)
             else:
-                self._table = SlotTable(table_path(shm_path(name)), layout, pages, keep=False)
-                self._pretouch()
+                self._drop_kept(kept)
         except BaseException:
-            self._unlink_and_close()
+            os.close(table_fd)
+            self._drop_kept(kept)
             raise
+        self._table_fd = table_fd
 
-    def _create_exclusive(self, path: str) -> int:
-        """Create, size and lock the arena under a private name, then rename it into place.
+    # -- files ------------------------------------------------------------------------
+    def _keeper_name(self, part: str) -> str:
+        return f"{self.layout.layout_id}/{part}"
 
-        Nobody ever sees an arena that is unlocked or not yet sized, so a daemon starting at
-        the same moment cannot mistake ours for a stale one. An existing arena whose lock is
-        free was left by a crashed daemon: it is adopted when it has our size and a slot
-        table of our layout (`reused`), replaced otherwise.
-        """
-        stale = self._lock_stale(path)
-        try:
-            if stale >= 0 and self._adoptable(path, stale):
-                self.reused = True  # keep the stale arena, and its lock: no second arena is reserved
-                return stale
-        except BaseException:
-            os.close(stale)
-            raise
-        tmp = f"{path}.creating-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                try:
-                    # Reserve the memory now: a full /dev/shm fails here with ENOSPC instead of
-                    # a SIGBUS on first touch.
-                    os.posix_fallocate(fd, 0, self.size)
-                except OSError as exc:
-                    raise ArenaNoSpace(
-                        f"cannot reserve {self.size >> 20} MiB of shared memory for host arena {self.name} "
-                        f"({exc.strerror}); enlarge /dev/shm or lower host_size"
-                    ) from None
-                if stale >= 0:
-                    log.warning("replacing stale host arena %s left by a daemon that exited uncleanly", self.name)
-                    self.stale_removed = True
-                os.rename(tmp, path)  # atomic; we still hold the stale one's lock, so no one else replaces it too
-            except BaseException:
-                os.unlink(tmp)
-                os.close(fd)
-                raise
-        finally:
-            if stale >= 0:
-                os.close(stale)
-        return fd
+    def _table_file(self, kept: list[KeptFile]) -> tuple[int, bool]:
+        """The kept slot table (True), else a new one, kept from now on (False). Taken out
+        of `kept`."""
+        for file in kept:
+            if file.meta.get("kind") == "slots":
+                kept.remove(file)
+                return file.fd, True
+        fd = os.memfd_create(f"{self.name}-slots", os.MFD_CLOEXEC)
+        if self._keeper is not None:
+            self._keeper.keep(self._keeper_name("slots"), fd, layout_meta(self.layout))
+        return fd, False
 
-    def _lock_stale(self, path: str) -> int:
-        """The existing arena at `path`, locked by us (-1 when there is none); ArenaInUse when
-        a live daemon holds it."""
-        try:
-            stale = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return -1
-        try:
-            fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(stale)
-            raise ArenaInUse(
-                f"host arena {self.name} is owned by a running daemon; stop it or give this one another arena prefix"
-            ) from None
-        return stale
+    def memory(self, namespace: str) -> NamespaceMemory:
+        """The namespace's memory file, made (and given to the keeper) on first use."""
+        with self._lock:
+            memory = self._memory.get(namespace)
+            if memory is None:
+                memory = self._map(namespace, _memfd(f"{self.name}-ns", self.size))
+                if self._keeper is not None:
+                    self._keeper.keep(self._keeper_name(f"ns/{namespace}"), memory.fd,
+                                      {"kind": "namespace", "namespace": namespace})
+            return memory
 
-    def _adoptable(self, path: str, fd: int) -> bool:
-        """A stale arena is ours to adopt if it has our size and a slot table of our shape."""
-        if os.fstat(fd).st_size != self.size:
-            return False
-        table = SlotTable(table_path(path), self.layout, self.pages, keep=True)
-        if table.matched:
-            self._table = table
-            return True
-        table.close(remove=True)
-        return False
+    def _map(self, namespace: str, fd: int) -> NamespaceMemory:
+        mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        memory = self._memory[namespace] = NamespaceMemory(namespace, fd, mm, np.frombuffer(mm, dtype=np.uint8))
+        for listener in self._on_map:
+            listener(memory)
+        return memory
 
-    def _adopt(self) -> None:
-        """Keep every slot whose table entry and bytes agree; clear the other entries."""
+    def file_for(self, namespace: str) -> int:
+        """The descriptor to hand a client of `namespace` (the caller must not close it)."""
+        return self.memory(namespace).fd
+
+    def on_map(self, listener: Callable[[NamespaceMemory], None]) -> list[NamespaceMemory]:
+        """Call `listener` for every namespace file mapped from now on; returns those mapped
+        already (the device tier pins each for DMA)."""
+        with self._lock:
+            self._on_map.append(listener)
+            return list(self._memory.values())
+
+    # -- slots ------------------------------------------------------------------------
+    def give(self, slot: int, namespace: str) -> None:
+        """Slot `slot` now holds `namespace`'s bytes: cut it out of its previous holder's
+        file, so nothing of that namespace can show through the new holder's."""
+        previous = self._owner[slot]
+        if previous == namespace:
+            return
+        start, length = slot * self.layout.slot_bytes, self.layout.slot_bytes
+        if previous is not None:
+            self._memory[previous].cut(start, length)
+        self.memory(namespace).populate(start, length)
+        self._owner[slot] = namespace
+
+    def holder(self, slot: int) -> NamespaceMemory:
+        namespace = self._owner[slot]
+        if namespace is None:
+            raise RuntimeError(f"host slot {slot} was never given to a namespace: the core must give it first")
+        return self._memory[namespace]
+
+    def view(self, slot: int) -> memoryview:
+        """The whole slot (slot_bytes, page plus alignment padding), writable."""
+        start = slot * self.layout.slot_bytes
+        return memoryview(self.holder(slot).mm)[start : start + self.layout.slot_bytes]
+
+    def page(self, slot: int) -> np.ndarray:
+        """The page's bytes (page_bytes) as a writable uint8 array, zero copy."""
+        start = slot * self.layout.slot_bytes
+        return self.holder(slot).bytes[start : start + self.layout.page_bytes]
+
+    def slot_address(self, slot: int) -> int:
+        """Where the slot is mapped in this process (for DMA)."""
+        return self.holder(slot).address + slot * self.layout.slot_bytes
+
+    # -- warm restart -----------------------------------------------------------------
+    def _adopt(self, kept: list[KeptFile]) -> None:
+        """Map the kept namespace files, keep every slot whose table entry and bytes agree,
+        clear the other entries and cut every other slot out of every file."""
         start = time.monotonic()
+        for file in kept:
+            namespace = file.meta.get("namespace")
+            if file.meta.get("kind") == "namespace" and os.fstat(file.fd).st_size == self.size and namespace:
+                self._map(namespace, file.fd)
+            else:
+                self._forget(file)
         keep, bad = [], []
-        arena, slot_bytes = memoryview(self._mm), self.layout.slot_bytes
         for record in self._table.entries():
-            at = record.slot * slot_bytes
-            page = arena[at : at + record.length]
-            if record.length == self.layout.page_bytes and xxhash.xxh3_64_intdigest(page) == record.checksum:
+            memory = self._memory.get(record.namespace)
+            at = record.slot * self.layout.slot_bytes
+            if (memory is not None and record.length == self.layout.page_bytes
+                    and xxhash.xxh3_64_intdigest(memory.mm[at : at + record.length]) == record.checksum):
                 keep.append(record)
+                self._owner[record.slot] = record.namespace
             else:
                 bad.append(record.slot)
-        arena.release()
         self._table.clear(bad)
+        for namespace, memory in list(self._memory.items()):
+            self._cut_all_but(memory)
+            if namespace not in self._owner:
+                self._close_memory(namespace)
         self.adopted = keep
         self._seq = max((r.seq for r in keep), default=0)
         self.adopt_seconds = time.monotonic() - start
@@ -167,6 +243,27 @@ class HostArena:
             self.name, len(keep), len(bad), self.adopt_seconds,
         )
 
+    def _cut_all_but(self, memory: NamespaceMemory) -> None:
+        """Free every run of slots this namespace does not hold."""
+        slot_bytes, run = self.layout.slot_bytes, None
+        for slot, owner in enumerate([*self._owner, None]):
+            if owner != memory.namespace and slot < self.pages:
+                run = slot if run is None else run
+            elif run is not None:
+                memory.cut(run * slot_bytes, (slot - run) * slot_bytes)
+                run = None
+
+    def _forget(self, file: KeptFile) -> None:
+        if self._keeper is not None:
+            self._keeper.drop(file.name)
+        os.close(file.fd)
+
+    def _drop_kept(self, kept: list[KeptFile]) -> None:
+        """Kept files that do not fit this arena (another size, a table of another shape)."""
+        for file in kept:
+            self._forget(file)
+
+    # -- the slot table ---------------------------------------------------------------
     def publish(self, records: Sequence[PageRecord]) -> list[PageRecord]:
         """Enter cached pages in the slot table, each with the checksum of its bytes now:
         from here a crash keeps them. The bytes must be final (committed, loaded, demoted)."""
@@ -182,60 +279,35 @@ class HostArena:
         """Take slots out of the slot table before they can be reused."""
         self._table.clear(slots)
 
-    def _pretouch(self) -> None:
-        """Fault every OS page in now, so the first borrow does not pay for it."""
-        self._bytes[:: mmap.PAGESIZE] = 0
-
-    @property
-    def address(self) -> int:
-        """Where the arena is mapped in this process (for cudaHostRegister and DMA)."""
-        return self._bytes.ctypes.data
-
-    def view(self, slot: int) -> memoryview:
-        """The whole slot (slot_bytes, page plus alignment padding), writable."""
-        start = slot * self.layout.slot_bytes
-        return memoryview(self._mm)[start : start + self.layout.slot_bytes]
-
-    def page(self, slot: int) -> np.ndarray:
-        """The page's bytes (page_bytes) as a writable uint8 array, zero copy."""
-        start = slot * self.layout.slot_bytes
-        return self._bytes[start : start + self.layout.page_bytes]
-
-    def give(self, slot: int, namespace: str) -> None:
-        """Slot `slot` now holds `namespace`'s bytes: nothing of its previous holder may show."""
-        self.clear(slot)
-
-    def clear(self, slot: int) -> None:
-        """Zero a slot, so a page handed to a new namespace carries none of the old one's data."""
-        self.page(slot).fill(0)
+    # -- the end ----------------------------------------------------------------------
+    def _close_memory(self, namespace: str) -> None:
+        memory = self._memory.pop(namespace)
+        if self._keeper is not None:
+            self._keeper.drop(self._keeper_name(f"ns/{namespace}"))
+        memory.close()
 
     def close(self, *, keep: bool = False) -> None:
-        """Unmap and remove the arena and its slot table (with `keep`, leave both for the next
-        daemon to adopt). Clients that still map it keep their mapping until they unmap."""
-        if self._fd < 0:
+        """Unmap and free the arena and its slot table (with `keep`, leave both with the
+        keeper for the next daemon to adopt). Clients that still map a file keep their
+        mapping until they unmap."""
+        if self._table_fd < 0:
             return
-        if self._table is not None:
-            self._table.close(remove=not keep)
-            self._table = None
-        del self._bytes
-        try:
-            self._mm.close()
-        except BufferError:
-            # A view is still exported (a test holding a page); the mapping goes with the process.
-            log.debug("host arena %s still has exported views at close", self.name)
-        if keep:
-            os.close(self._fd)  # the lock goes with it: the arena is stale from now on
-            self._fd = -1
-            return
-        self._unlink_and_close()
+        self._table.close()
+        if not keep and self._keeper is not None:
+            self._keeper.drop(self._keeper_name("slots"))
+        os.close(self._table_fd)
+        self._table_fd = -1
+        with self._lock:
+            for namespace in list(self._memory):
+                if keep:
+                    self._memory.pop(namespace).close()
+                else:
+                    self._close_memory(namespace)
 
-    def _unlink_and_close(self) -> None:
-        if self._table is not None:
-            self._table.close(remove=True)
-            self._table = None
-        try:
-            os.unlink(shm_path(self.name))
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
-        self._fd = -1
+
+def layout_meta(layout: PageLayout) -> dict:
+    """What a successor needs to rebuild the pool of a kept slot table."""
+    return {"kind": "slots", "layout": {
+        "layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
+        "block_tokens": layout.block_tokens, "dtype": layout.dtype, "order": layout.order,
+    }}

@@ -1,7 +1,8 @@
-"""The host tier's slot table: which cached page each host slot holds, kept in a shared-memory
-file beside the arena so that it outlives the daemon process (warm restart).
+"""The host tier's slot table: which cached page each host slot holds, kept in a memfd that
+the arena keeper holds (kvtier.mechanism.keeper), so that it outlives the daemon process
+(warm restart) while no file system path names it.
 
-    /dev/shm/.<arena>.slots   a 4 KiB header, then one 512-byte entry per slot
+    layout   a 4 KiB header, then one 512-byte entry per slot
 
     header  magic, layout id, slot_bytes, pages      (a table of another shape is not adopted)
     entry   state, lengths, page length, seq, page checksum, namespace, key, parent, crc
@@ -12,8 +13,8 @@ slot and will not change, and clears it (one byte, state FREE) before the slot c
 to anyone else. A process crash leaves memory as it was at that instant: an entry being
 written fails its crc, a cleared one says FREE; either way the slot is simply free at the
 next start. A page whose bytes no longer match its entry's checksum (an engine that wrote
-into a read lease, a torn write) is dropped, never adopted. Nothing here survives a reboot:
-/dev/shm is memory.
+into a read lease, a torn write) is dropped, never adopted. Nothing here survives a reboot,
+nor the keeper's end.
 """
 from __future__ import annotations
 
@@ -38,35 +39,24 @@ _NAMES = _ENTRY_BYTES - 8 - _FIELDS.size  # namespace + key + parent bytes
 _CACHED, _FREE = 1, 0
 
 
-def table_path(arena_path: str) -> str:
-    """A hidden file beside the arena: no client can open it by a shared-memory name."""
-    directory, name = os.path.split(arena_path)
-    return os.path.join(directory, f".{name}.slots")
-
-
 class SlotTable:
-    """The slot table of one host arena. The daemon that owns the arena (its flock) is the
-    only writer; nothing else maps this file."""
+    """The slot table of one host arena, in a file the caller opened (a memfd). The daemon
+    that owns the arena is the only writer; no client is ever given this file."""
 
-    def __init__(self, path: str, layout: PageLayout, pages: int, *, keep: bool) -> None:
-        """Open the table at `path` keeping its entries (`keep`, and only if it was written
-        for this layout and size: `matched`), or create it with every slot free."""
-        self.path = path
+    def __init__(self, fd: int, layout: PageLayout, pages: int, *, keep: bool) -> None:
+        """Map the table in `fd` keeping its entries (`keep`, and only if it was written for
+        this layout and size: `matched`), or lay it out afresh with every slot free."""
         self.layout = layout
         self.pages = pages
         size = _HEADER_BYTES + pages * _ENTRY_BYTES
         header = _HEADER.pack(_MAGIC, layout.layout_id.encode(), layout.slot_bytes, pages)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            current = os.pread(fd, _HEADER.size, 0)
-            self.matched = keep and current == header and os.fstat(fd).st_size == size
-            if not self.matched:
-                os.ftruncate(fd, 0)  # every entry of another shape is void
-                os.posix_fallocate(fd, 0, size)
-                os.pwrite(fd, header, 0)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        current = os.pread(fd, _HEADER.size, 0)
+        self.matched = keep and current == header and os.fstat(fd).st_size == size
+        if not self.matched:
+            os.ftruncate(fd, 0)  # every entry of another shape is void
+            os.ftruncate(fd, size)
+            os.pwrite(fd, header, 0)
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._entries = np.frombuffer(self._mm, dtype=np.uint8, offset=_HEADER_BYTES).reshape(pages, _ENTRY_BYTES)
 
     def write(self, record: PageRecord) -> None:
@@ -104,11 +94,6 @@ class SlotTable:
             parent = raw[at + ns_len + key_len : at + ns_len + key_len + parent_len] or None
             yield PageRecord(namespace, key, Slot(slot), parent, length, checksum, seq)
 
-    def close(self, *, remove: bool) -> None:
+    def close(self) -> None:
         del self._entries
         self._mm.close()
-        if remove:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass

@@ -86,6 +86,7 @@ class TiersConfig:
     prefetch_hold: float
     arena_prefix: str
     max_pools: int
+    warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ _SECTIONS: dict[str, type] = {
 
 
 # -- value kinds ----------------------------------------------------------------
-def parse_seconds(text: str | float, key: str) -> float:
-    """'5s', '500ms', '2', 2.5 -> seconds."""
+def parse_seconds(text: str | float, key: str, *, zero: bool = False) -> float:
+    """'5s', '500ms', '2', 2.5 -> seconds (0 only with `zero`)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
@@ -132,9 +133,13 @@ def parse_seconds(text: str | float, key: str) -> float:
         if not m:
             raise ConfigError(f"{key}: cannot read {text!r} as a duration; write e.g. 5s or 500ms")
         value = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
-    if value <= 0:
-        raise ConfigError(f"{key}: duration must be positive")
+    if value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"{key}: duration must be positive{' or 0' if zero else ''}")
     return value
+
+
+def _seconds_or_zero(text: str | float, key: str) -> float:
+    return parse_seconds(text, key, zero=True)
 
 
 def _size(value: Any, key: str) -> int:
@@ -200,6 +205,7 @@ INT = Kind("INTEGER", _int)
 BOOL = Kind("", _bool)
 SIZE = Kind("SIZE", _size)
 DURATION = Kind("DURATION", parse_seconds)
+DURATION_OR_ZERO = Kind("DURATION", _seconds_or_zero)
 LOG_LEVELS = Kind("LEVEL", _text, ("debug", "info", "warning", "error"))  # as given to logging; not refused here
 
 
@@ -267,9 +273,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_queued_prefetch", "tiers", INT, 1024,
            "Prefetch loads queued per pool; more hints are dropped (1024: four 4,096-token prefixes of 16-token pages)."),
     Option("prefetch_hold", "tiers", DURATION, "10s", "How long a prefetched page is kept unless acquired."),
-    Option("arena_prefix", "tiers", TEXT, "", "Name prefix of host arenas in /dev/shm.",
+    Option("arena_prefix", "tiers", TEXT, "", "Name prefix of host memory files (as /proc/<pid>/maps shows them).",
            shown="derived from the socket path"),
     Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once."),
+    Option("warm_restart_window", "tiers", DURATION_OR_ZERO, "5m",
+           "How long the arena keeper holds a crashed daemon's host pages for its successor (0 = a crash loses them)."),
     Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
     Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
     Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),

@@ -17,8 +17,11 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 import kvtier
 from kvtier.server.auth import Authorizer
-from kvtier.server.config import DaemonConfig
+from kvtier.server.config import AuthMode, ConfigError, DaemonConfig
+from kvtier.mechanism.keeper import KeeperClient, keeper_path
 from kvtier.server.drain import DrainGate
+from kvtier.server.explain import Explainer
+from kvtier.server.handoff import Handoff, handoff_path
 from kvtier.server.metrics import Metrics
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
@@ -78,13 +81,20 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load)
+        window = config.tiers.warm_restart_window
+        keeper = (KeeperClient.connect_or_start(keeper_path(config.tiers.cache_dir, config.listen.socket), window)
+                  if window > 0 else None)
+        self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load, keeper=keeper)
         self.drain = DrainGate(self.pools.open_leases)
-        self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended)
+        auth = Authorizer.from_config(config.auth)
+        self.pools.set_quotas(auth.quotas)  # kept for the pools made later
+        self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants)
+        self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions)
         self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot)
         self.service = KVTierService(
-            sessions=self.sessions, pools=self.pools, auth=Authorizer.from_config(config.auth), drain=self.drain,
-            metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(),
+            sessions=self.sessions, pools=self.pools, auth=auth, drain=self.drain,
+            metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(), handoff_socket=self.handoff.path,
+            explainer=Explainer(self.pools),
         )
         self.health = HealthService(("", SERVICE_NAME))
         for name in self.health.services:  # HealthServicer starts as SERVING; we are not, until start() ends
@@ -97,6 +107,12 @@ class Daemon:
         cfg = self.config
         listen = cfg.listen
         guard = wire_guard(cfg)
+        if cfg.tiers.device_size and cfg.auth.mode is AuthMode.TOKENS:
+            log.warning("the device tier is one arena per layout, shared by every namespace: a client of any namespace "
+                        "can read its pages (docs/security.md)")
+        adopted = self.pools.adopt_kept()  # a crashed predecessor's host pages, before anyone asks
+        if adopted:
+            log.info("host memory of a previous daemon adopted", extra={"pools": adopted})
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvtier-rpc"),
             interceptors=[guard],
@@ -123,6 +139,7 @@ class Daemon:
                 self._server.add_insecure_port(listen.tcp)
         self._server.start()
         os.chmod(listen.socket, 0o660)
+        self.handoff.start()
         self.sessions.start()
         if cfg.metrics.port:
             self._metrics_server, _ = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
@@ -134,6 +151,23 @@ class Daemon:
                    "host_size": cfg.tiers.host_size, "disk_size": cfg.tiers.disk_size, "cache_dir": cfg.tiers.cache_dir,
                    "metrics_port": cfg.metrics.port or None, "pid": os.getpid()},
         )
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the tokens file; new tokens apply to the next call, new quotas to
+        every pool. A file that does not parse changes nothing."""
+        try:
+            table = self.service.auth.reload()
+        except ConfigError as exc:
+            self.metrics.reloads.labels("error").inc()
+            log.error("reload failed; keeping the previous tokens and quotas", extra={"reason": str(exc)})
+            return
+        refused = self.pools.set_quotas(table.quotas)
+        self.metrics.reloads.labels("error" if refused else "ok").inc()
+        if refused:
+            log.error("reload partly failed: tokens and quotas applied, except the quotas of pools that cannot keep "
+                      "them (they keep their previous ones; see the error above)", extra={"pools": refused})
+        else:
+            log.info("reloaded the tokens file", extra={"tokens": len(table.tokens), "quotas": len(table.quotas)})
 
     def drain_and_stop(self) -> None:
         """Stop taking new leases, wait (bounded) for open ones, then release everything."""
@@ -150,6 +184,7 @@ class Daemon:
             if not self._server.stop(grace=SERVER_STOP_GRACE_S).wait(SERVER_STOP_WAIT_S):
                 log.warning("gRPC server did not stop in time; stopping anyway", extra={"waited_s": SERVER_STOP_WAIT_S})
         self.sessions.stop()
+        self.handoff.stop()
         # The copy of host-only pages to disk gets drain_timeout too; what it has not copied
         # by then stays in the host arena, which is then kept for the next daemon to adopt.
         self.pools.close_all(deadline=time.monotonic() + timeout)
@@ -163,7 +198,8 @@ class Daemon:
 
 
 def run(config: DaemonConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then drain. Returns the exit code."""
+    """Serve until SIGTERM or SIGINT, then drain; reload the tokens file on SIGHUP. Returns
+    the exit code."""
     claims = preflight(config)  # this process's cache dir and socket, until it ends
     daemon = Daemon(config)
     # The kernel may hand SIGTERM to any thread (gRPC's among them), and a Python handler only
@@ -172,10 +208,11 @@ def run(config: DaemonConfig) -> int:
     signalled, wakeup = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     os.set_blocking(signalled, True)
     signal.set_wakeup_fd(wakeup)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)  # installs the C handler that writes to the pipe
     daemon.start()
-    os.read(signalled, 1)
+    while os.read(signalled, 1)[0] == signal.SIGHUP:
+        daemon.reload()
     daemon.drain_and_stop()
     # Only now, with the pools closed and the socket file removed; if anything above raised,
     # the claims end with the process, after the OS has closed its files.

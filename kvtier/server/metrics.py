@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvtier_client.tiers import Tier
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.core import StoreUsage
@@ -43,7 +43,6 @@ class _StoreCollector:
             labels=[*labels, "state"],
         )
         hits = CounterMetricFamily("kvtier_hits", "Looked-up blocks whose fastest copy was in this tier.", labels=labels)
-        misses = CounterMetricFamily("kvtier_misses", "Looked-up blocks not cached in any tier.", labels=["pool"])
         evictions = CounterMetricFamily("kvtier_evictions", "Copies removed from a tier to make room.", labels=labels)
         promotions = CounterMetricFamily("kvtier_promotions", "Copies made in a tier from a slower tier.", labels=labels)
         demotions = CounterMetricFamily("kvtier_demotions", "Copies made in a tier from a faster tier.", labels=labels)
@@ -55,7 +54,6 @@ class _StoreCollector:
         )
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, page_bytes, stats in pools:
-            misses.add_metric([pool_id], stats.miss_blocks)
             leases.add_metric([pool_id], stats.leases)
             for t in stats.tiers:
                 lv = [pool_id, t.tier.label]
@@ -86,8 +84,50 @@ class _StoreCollector:
         yield arrivals
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
-        yield from (capacity, capacity_bytes, pages, hits, misses, evictions, promotions, demotions, moved, corrupt,
+        yield from (capacity, capacity_bytes, pages, hits, evictions, promotions, demotions, moved, corrupt,
                     io_errors, leases, session_gauge)
+
+
+class _NamespaceCollector:
+    """Each namespace's share of each pool: pages, quotas, hits, evictions, and misses by
+    reason (the pool's misses are their sum)."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "namespace", "tier"]
+        pages = GaugeMetricFamily(
+            "kvtier_namespace_pages", "Pages a namespace holds in a tier (host: cached plus borrowed for writing).",
+            labels=labels,
+        )
+        quotas = GaugeMetricFamily(
+            "kvtier_namespace_quota_pages",
+            "A namespace's quota in a tier: max (never more) or guaranteed (never evicted below it by other namespaces).",
+            labels=[*labels, "kind"],
+        )
+        hits = CounterMetricFamily("kvtier_namespace_hits", "A namespace's looked-up blocks whose fastest copy was here.",
+                                   labels=labels)
+        evictions = CounterMetricFamily("kvtier_namespace_evictions", "A namespace's copies evicted from a tier.",
+                                        labels=labels)
+        misses = CounterMetricFamily(
+            "kvtier_misses", "Looked-up blocks not served, by reason: never_stored, evicted, corrupt, beyond_prefix.",
+            labels=["pool", "namespace", "reason"],
+        )
+        for pool, stats in self._snapshot():
+            for ns in stats.namespaces:
+                for reason, count in sorted(ns.misses.items()):
+                    if count:
+                        misses.add_metric([pool.pool_id, ns.namespace, reason], count)
+                for t in ns.tiers:
+                    lv = [pool.pool_id, ns.namespace, t.tier.label]
+                    pages.add_metric(lv, t.pages)
+                    hits.add_metric(lv, t.hits)
+                    evictions.add_metric(lv, t.evictions)
+                    for kind, value in (("max", t.max_pages), ("guaranteed", t.guaranteed_pages)):
+                        if value:  # 0 = no quota
+                            quotas.add_metric([*lv, kind], value)
+        yield from (pages, quotas, hits, evictions, misses)
 
 
 class _DiskCollector:
@@ -125,7 +165,7 @@ class _BandwidthCollector:
 
 class Metrics:
     """The daemon's registry: disk load and RPC latency as they happen, and (once `watch` is
-    called) the store, disk and bandwidth collectors read at scrape time."""
+    called) the store, namespace, disk and bandwidth collectors read at scrape time."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -143,12 +183,19 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+        self.reloads = Counter(
+            "kvtier_reloads", "Re-readings of the tokens file (SIGHUP): ok, or error (the file was refused, or a "
+            "pool refused its quotas).", ["result"], registry=self.registry,
+        )
+        for result in ("ok", "error"):
+            self.reloads.labels(result)
 
     def watch(self, snapshot: Snapshot, sessions: Callable[[], int], disk_snapshot: DiskSnapshot,
               bandwidth_snapshot: BandwidthSnapshot) -> None:
         """Read these at every scrape (the pool registry's snapshots and the session count).
         A second step because the pools report their loads to `observe_load`."""
         self.registry.register(_StoreCollector(snapshot, sessions))
+        self.registry.register(_NamespaceCollector(snapshot))
         self.registry.register(_DiskCollector(disk_snapshot))
         self.registry.register(_BandwidthCollector(bandwidth_snapshot))
 

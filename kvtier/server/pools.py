@@ -11,22 +11,25 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument
+from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, KVTierError, NotFound
 from kvtier_client.ids import LeaseId, SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.core import BlockStore, LeaseKind, StoreUsage
+from kvtier.core import BlockStore, LeaseKind, Quota, StoreUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
 from kvtier.mechanism.device import CopyEngine, DeviceArena, DeviceNoSpace, pin_host
 from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier, FsyncPolicy
-from kvtier.mechanism.host import ArenaInUse, ArenaNoSpace, HostArena
+from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, IOStats, Observer
+from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ArenaMover
 from kvtier.policy import POLICIES, PolicyName
 from kvtier.server.config import TiersConfig
+from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ class PoolConfig:
     io_depth: int = 8  # disk reads (and writes) in flight at once
     max_queued_prefetch: int = 1024  # prefetch loads waiting for the disk; more hints are dropped
     prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
-    arena_prefix: str = "kvtier"  # host arenas are /dev/shm/<prefix>-<layout id>
+    arena_prefix: str = "kvtier"  # names host memory files <prefix>-<layout id> (in /proc/<pid>/maps, never a path)
     device_bytes: int = 0  # HBM for the device tier; 0 = none (needs CUDA and CuPy otherwise)
     gpu: int = 0  # CUDA device index
 
@@ -66,8 +69,13 @@ class PoolConfig:
 
 
 class Pool:
-    def __init__(self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None) -> None:
-        """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics."""
+    def __init__(
+        self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None, *,
+        keeper: KeeperClient | None = None, kept: list[KeptFile] = (),
+    ) -> None:
+        """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics.
+        `keeper` holds the host memory for a successor; `kept` is what a crashed
+        predecessor left there for this layout (adopted)."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
         device_pages = layout.pages_in(config.device_bytes, "device") if config.device_bytes else 0
@@ -76,7 +84,7 @@ class Pool:
         self.layout = layout
         self.config = config
         self._closed = False
-        self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages)
+        self.host = HostArena(f"{config.arena_prefix}-{layout.layout_id}", layout, host_pages, keeper=keeper, kept=kept)
         #: Measured read bandwidth per tier, for engines deciding between loading and recomputing.
         self.bandwidth: dict[Tier, Throughput] = {Tier.HOST: Throughput(probe_memcpy)}
         self.disk: DiskTier | None = None
@@ -112,7 +120,6 @@ class Pool:
                 prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),
                 recovered_host=self.host.adopted,
-                host_reused=self.host.reused,
             )
         except BaseException:
             self._close_tiers()
@@ -140,16 +147,16 @@ class Pool:
 
     def close(self, deadline: float | None = None) -> None:
         """Save host-only pages to disk (in durable batches, none started after `deadline`),
-        remove the host arena, close the disk index.
+        free the host arena, close the disk index. Returns whether the arena was kept.
 
         Disk pages stay for the next start. When the deadline cut the copy short, the host
-        arena and its slot table are kept instead of removed: the next daemon adopts them
-        (warm restart), so a bounded stop loses nothing. A second call does nothing (a
-        second persist would write through a closed index). The arena is removed even if
-        saving fails.
+        arena and its slot table stay with the keeper instead of being freed: the next
+        daemon adopts them (warm restart), so a bounded stop loses nothing. A second call
+        does nothing (a second persist would write through a closed index). The arena is
+        freed even if saving fails.
         """
         if self._closed:
-            return
+            return False
         self._closed = True
         keep_arena = False
         try:
@@ -163,6 +170,7 @@ class Pool:
                             "for the next daemon to adopt", extra={"pool": self.pool_id, "unsaved": self.store.unsaved()})
         finally:
             self._close_tiers(keep_arena=keep_arena)
+        return keep_arena
 
     def _close_tiers(self, *, keep_arena: bool = False) -> None:
         if self.copies is not None:
@@ -183,13 +191,41 @@ class PoolRegistry:
     closed at shutdown. Snapshots for Stats and metrics hold each store's lock only while
     reading its counts, never the registry's lock."""
 
-    def __init__(self, tiers: TiersConfig, observer: Observer | None = None) -> None:
-        """`observer` hears of every pool's finished disk loads (metrics)."""
+    def __init__(self, tiers: TiersConfig, observer: Observer | None = None, keeper: KeeperClient | None = None) -> None:
+        """`observer` hears of every pool's finished disk loads (metrics); `keeper` holds the
+        pools' host memory across a crash (None: a crash loses the host tier)."""
         self._config = PoolConfig.from_tiers(tiers)
         self._max_pools = tiers.max_pools
         self._observer = observer
+        self._keeper = keeper
+        self._kept: dict[str, list[KeptFile]] = {}  # a crashed predecessor's files, by layout id
         self._pools: dict[str, Pool] = {}
+        self._quotas: Mapping[str, Quota] = {}  # namespace -> quota, for every pool (docs/configuration.md)
         self._lock = threading.Lock()
+
+    def adopt_kept(self) -> int:
+        """Rebuild the pools of every layout a crashed predecessor left host memory for, so
+        its pages are cached again before any client registers (and nothing stays with the
+        keeper unclaimed). Returns how many pools were rebuilt."""
+        if self._keeper is None:
+            return 0
+        for file in self._keeper.take_all():
+            layout_id = file.name.partition("/")[0]
+            self._kept.setdefault(layout_id, []).append(file)
+        rebuilt = 0
+        for layout_id, files in list(self._kept.items()):
+            layout = next((_kept_layout(f) for f in files if f.meta.get("kind") == "slots"), None)
+            try:
+                if layout is None or layout.layout_id != layout_id:
+                    raise ValueError("no slot table of this layout")
+                self.for_layout(layout)
+                rebuilt += 1
+            except (KVTierError, ValueError) as exc:
+                log.warning("dropping host memory a previous daemon left", extra={"pool": layout_id, "reason": str(exc)})
+                for file in self._kept.pop(layout_id, []):
+                    self._keeper.drop(file.name)
+                    os.close(file.fd)
+        return rebuilt
 
     def for_layout(self, layout: PageLayout) -> Pool:
         """The pool of `layout`, made now if it is new."""
@@ -203,22 +239,41 @@ class PoolRegistry:
                     "use an existing layout or raise max_pools"
                 )
             try:
-                pool = Pool(layout, self._config, observer=self._observer)
+                pool = Pool(layout, self._config, observer=self._observer, keeper=self._keeper,
+                            kept=self._kept.pop(layout.layout_id, []))
             except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
-            except (ArenaInUse, DiskLayoutMismatch) as exc:  # the operator's to fix; the log says so too
+            except DiskLayoutMismatch as exc:  # the operator's to fix; the log says so too
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise FailedPrecondition(f"daemon cannot serve this layout: {exc}") from None
-            except (ArenaNoSpace, DeviceNoSpace) as exc:
+            except DeviceNoSpace as exc:
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise CapacityError(str(exc)) from None
+            _apply_quotas(pool, self._quotas)
             self._pools[layout.layout_id] = pool
-            log.info("pool created", extra={"pool": layout.layout_id, "layout": repr(layout), "host_arena": pool.host.name})
+            log.info("pool created", extra={"pool": layout.layout_id, "layout": repr(layout), "adopted_pages": len(pool.host.adopted)})
             return pool
 
     def _all(self) -> list[Pool]:
         with self._lock:
             return list(self._pools.values())
+
+    def all_pools(self) -> list[Pool]:
+        return self._all()
+
+    def get(self, pool_id: str) -> Pool:
+        with self._lock:
+            pool = self._pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"no pool {cut(pool_id)!r}: `kvtier stats` lists the pools (one per registered layout)")
+        return pool
+
+    def set_quotas(self, quotas: Mapping[str, Quota]) -> list[str]:
+        """Use these quotas in every pool, and in pools made later. Returns the ids of the
+        pools that refused them (their guarantees do not fit): those keep their old quotas."""
+        with self._lock:  # a pool made meanwhile gets the new quotas
+            self._quotas = dict(quotas)
+            return [pool.pool_id for pool in self._pools.values() if not _apply_quotas(pool, quotas)]
 
     def snapshot(self) -> list[tuple[Pool, StoreUsage]]:
         return [(pool, pool.store.stats()) for pool in self._all()]
@@ -243,5 +298,25 @@ class PoolRegistry:
         return sum(usage.leases for _, usage in self.snapshot())
 
     def close_all(self, deadline: float | None = None) -> None:
-        for pool in self._all():
-            pool.close(deadline)
+        """Close every pool; the keeper then frees everything, unless a pool kept its host
+        memory for the next daemon (its stop was cut short)."""
+        kept = [pool.close(deadline) for pool in self._all()]
+        if self._keeper is not None:
+            self._keeper.close(keep=any(kept))
+
+
+def _apply_quotas(pool: Pool, quotas: Mapping[str, Quota]) -> bool:
+    """Set a pool's quotas; False (logged) if its tiers cannot keep them."""
+    try:
+        pool.store.set_quotas(quotas)
+    except ValueError as exc:
+        log.error("quotas do not fit this pool; it keeps its previous ones", extra={"pool": pool.pool_id, "reason": str(exc)})
+        return False
+    return True
+
+
+def _kept_layout(file: KeptFile) -> PageLayout | None:
+    try:
+        return PageLayout(**file.meta["layout"])
+    except (KeyError, TypeError, ValueError):
+        return None

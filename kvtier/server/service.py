@@ -19,13 +19,14 @@ from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
 
-from kvtier.core import StoreUsage, check_namespace
+from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
+from kvtier.server.explain import Explainer
 from kvtier.server.metrics import Metrics
 from kvtier.server.pools import Pool, PoolRegistry
-from kvtier.server.sessions import SessionManager
+from kvtier.server.sessions import Caller, Session, SessionManager
 from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,36 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
     ]
 
 
+def namespace_stats_pb(usage: NamespaceUsage) -> pb.NamespaceStats:
+    return pb.NamespaceStats(
+        namespace=usage.namespace,
+        tiers=[
+            pb.NamespaceTierStats(tier=tier_to_proto(t.tier), pages=t.pages, max_pages=t.max_pages,
+                                  guaranteed_pages=t.guaranteed_pages, hits=t.hits, evictions=t.evictions)
+            for t in usage.tiers
+        ],
+        lookup_blocks=usage.lookup_blocks, miss_blocks=usage.miss_blocks, misses=usage.misses,
+    )
+
+
+#: The metadata key of the session key (docs/protocol.md, "Sessions").
+SESSION_KEY = "kvtier-session-key"
+
+
+def caller(context: grpc.ServicerContext, auth: Authorizer) -> Caller:
+    """Who is calling, as far as the call shows: the session key and bearer token in its
+    metadata, and the client certificate's names over mutual TLS."""
+    metadata = context.invocation_metadata()
+    key = next((value for name, value in metadata if name == SESSION_KEY), "")
+    identities = context.peer_identities()  # None unless a client certificate was verified
+    return Caller(key, auth.token_of(metadata), tuple(identities) if identities else None)
+
+
+def is_local(context: grpc.ServicerContext) -> bool:
+    """The call came over the Unix socket (same host)."""
+    return context.peer().startswith("unix:")
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     """The servicer and its typed collaborators; it keeps no state of its own."""
@@ -134,6 +165,12 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     metrics: Metrics
     version: str
     started: float  # time.monotonic() at daemon start, for the uptime in Stats
+    handoff_socket: str  # where same-host clients attach their sessions
+    explainer: Explainer  # Explain, and the key hashings each namespace registered with
+
+    def _session(self, session_id: str, context) -> Session:
+        """The session a call names, if the caller holds its credentials."""
+        return self.sessions.get(session_id, caller(context, self.auth))
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -141,15 +178,21 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         check_namespace(request.namespace)
         self.auth.authorize(request.namespace, context.invocation_metadata())  # before anything else is checked or revealed
         pool = self.pools.for_layout(_layout(request))
-        session = self.sessions.open(request.namespace, pool, cut(request.client_name) or "unnamed")  # free text, for logs
+        who, local = caller(context, self.auth), is_local(context)
+        session = self.sessions.open(
+            request.namespace, pool, cut(request.client_name) or "unnamed",  # free text, for logs
+            token=who.token, tls_identity=who.tls_identity, local=local,
+        )
+        self.explainer.saw_register(request.namespace, request.hash_algorithm, pool.layout)
         tiers = [pb.TierInfo(tier=tier_to_proto(t.tier), capacity_pages=t.capacity) for t in pool.store.stats().tiers]
         return pb.RegisterResponse(
             session_id=session.session_id,
+            handoff_socket=self.handoff_socket if local else "",
+            session_key="" if local else session.key,  # same host: only the attaching process gets it
             page_bytes=pool.layout.page_bytes,
             slot_bytes=pool.layout.slot_bytes,
             tiers=tiers,
-            host_arena=pool.host.name,
-            host_arena_bytes=pool.host.size,
+            host_arena_bytes=pool.host.size if local else 0,
             device_ipc_handle=pool.device.ipc_handle if pool.device is not None else b"",
             device_arena_bytes=pool.device.size if pool.device is not None else 0,
             device_pci_bus_id=pool.device.pci_bus_id if pool.device is not None else "",
@@ -160,30 +203,30 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Heartbeat(self, request, context) -> pb.HeartbeatResponse:
-        session = self.sessions.get(request.session_id)
+        session = self._session(request.session_id, context)
         return pb.HeartbeatResponse(leases=session.pool.store.session_leases(session.session_id))
 
     @_rpc
     def CloseSession(self, request, context) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(released_leases=self.sessions.close(request.session_id))
+        return pb.CloseSessionResponse(released_leases=self.sessions.close(request.session_id, caller(context, self.auth)))
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         result = s.pool.store.lookup(s.namespace, list(request.keys))
         return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
         self.drain.check_open()
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         lease = s.pool.store.borrow(s.session_id, s.namespace, request.count)
         self.sessions.check_still_open(s, lease.lease_id)
         return pb.BorrowResponse(lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots)
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         result = s.pool.store.commit(s.session_id, request.lease_id, list(request.keys), request.parent or None)
         self.drain.lease_ended()
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
@@ -191,7 +234,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
         self.drain.check_open()
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         tier = _tier_from_pb(request.tier, s.pool)
         lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier, _wait_timeout(request))
         self.sessions.check_still_open(s, lease.lease_id)
@@ -203,7 +246,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         s.pool.store.release(s.session_id, request.lease_id)
         self.drain.lease_ended()
         return pb.ReleaseResponse()
@@ -211,7 +254,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
         self.drain.check_open()
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         tier = _tier_from_pb(request.tier, s.pool)
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
         accepted = s.pool.store.prefetch(s.session_id, s.namespace, list(request.keys), tier, request.priority)
@@ -219,7 +262,9 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Stats(self, request, context) -> pb.StatsResponse:
-        self.auth.authenticate_any(context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        self.auth.authenticate_any(metadata)
+        token = self.auth.token_of(metadata)  # each namespace shows only to a token that grants it
         pools = self.pools.snapshot()
         reply = pb.StatsResponse(version=self.version, sessions=self.sessions.count(),
                                  uptime_seconds=time.monotonic() - self.started)
@@ -231,9 +276,24 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
                     layout=layout_to_proto(pool.layout),
                     page_bytes=pool.layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
+                    namespaces=[namespace_stats_pb(ns) for ns in stats.namespaces if self.auth.grants(token, ns.namespace)],
                 )
             )
         return reply
+
+    @_rpc
+    def Explain(self, request, context) -> pb.ExplainResponse:
+        if request.session_id:
+            s = self._session(request.session_id, context)
+            if request.namespace not in ("", s.namespace) or request.pool_id not in ("", s.pool.pool_id):
+                raise InvalidArgument("with session_id, leave namespace and pool_id empty (the session names both)")
+            return self.explainer.explain(s.namespace, list(request.keys), s.pool)
+        if not request.namespace:
+            raise InvalidArgument("Explain needs session_id, or a namespace (with a token that grants it)")
+        check_namespace(request.namespace)
+        self.auth.authorize(request.namespace, context.invocation_metadata())
+        pool = self.pools.get(request.pool_id) if request.pool_id else None
+        return self.explainer.explain(request.namespace, list(request.keys), pool)
 
     # -- slow path: page bytes over gRPC for clients on another host -------------
     def ReadPages(self, request, context) -> Iterator[pb.PageData]:
@@ -242,7 +302,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc(name="ReadPages")
     def _read_pages(self, request, context) -> list[pb.PageData]:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id, context)
         # Copied out while the store holds the lease still; the stream is sent after.
         pages = s.pool.read_pages(s.session_id, LeaseId(request.lease_id))
         return [pb.PageData(index=i, data=data) for i, data in enumerate(pages)]
@@ -255,7 +315,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("WritePages got no messages; send session_id and lease_id first")
-        s = self.sessions.get(first.session_id)
+        s = self._session(first.session_id, context)
         written = 0
         message = first
         while message is not None:

@@ -1,9 +1,17 @@
 """Sessions: every lease belongs to one, and a session ends when its client closes it or
 stops heartbeating. Ending a session releases its leases and frees its uncommitted pages
 (BlockStore.end_session), so a crashed engine (kill -9) never strands pages.
+
+A session id names a session; it does not prove anything. Every call that names one is
+checked against the session's credentials (`SessionManager.get`): its secret key, which
+a same-host client gets only by attaching the session over the handoff socket, from the
+process the kernel names there (one process per session); the bearer token that opened
+it, still granted by the tokens file; and over mutual TLS the same client certificate.
+docs/security.md has the model.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import threading
@@ -11,12 +19,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier_client.errors import KVTierError, NotFound
+from kvtier_client.errors import KVTierError, NotFound, PermissionDenied
 from kvtier_client.ids import LeaseId, SessionId, short_session
 
 from kvtier.server.pools import Pool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What a call shows of who makes it: its metadata and transport."""
+
+    session_key: str
+    token: str | None
+    tls_identity: tuple[bytes, ...] | None  # the client certificate's names (mutual TLS)
+
+
+@dataclass(frozen=True)
+class Process:
+    """A process as the kernel names it on a Unix socket (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
 
 
 @dataclass
@@ -25,14 +51,28 @@ class Session:
     namespace: str
     pool: Pool
     client_name: str
+    token: str | None  # the bearer token that opened it: every call must carry it
+    tls_identity: tuple[bytes, ...] | None  # the client certificate that opened it, if any
+    local: bool  # registered over the Unix socket: its key is given only by attaching
+    key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    process: Process | None = None  # bound when attached over the handoff socket
     last_seen: float = field(default_factory=time.monotonic)
+
+    def admits(self, caller: Caller) -> bool:
+        return (hmac.compare_digest(caller.session_key.encode(), self.key.encode())
+                and caller.token == self.token and caller.tls_identity == self.tls_identity)
 
 
 class SessionManager:
     """Owns the session table and the reaper thread that expires silent sessions."""
 
-    def __init__(self, timeout: float, on_release: Callable[[], None]) -> None:
+    def __init__(
+        self, timeout: float, on_release: Callable[[], None], grants: Callable[[str | None, str], bool] = lambda t, n: True,
+    ) -> None:
+        """`grants(token, namespace)`: whether the current tokens file still lets `token`
+        use `namespace` (checked on every call, so a token removed by a reload stops at once)."""
         self.timeout = timeout
+        self._grants = grants
         # Called after leases were released here rather than by a Release or Commit call
         # (a session ended, or a lease outlived its session): the drain gate listens.
         self._on_release = on_release
@@ -49,28 +89,69 @@ class SessionManager:
     def start(self) -> None:
         self._reaper.start()
 
-    def open(self, namespace: str, pool: Pool, client_name: str) -> Session:
-        session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name)
+    def open(self, namespace: str, pool: Pool, client_name: str, *, token: str | None = None,
+             tls_identity: tuple[bytes, ...] | None = None, local: bool = True) -> Session:
+        session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name, token, tls_identity, local)
         with self._lock:
             self._sessions[session.session_id] = session
         log.info("session opened", extra={"session": short_session(session.session_id), "namespace": namespace, "client": client_name})
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The live session with this id, marked as seen now."""
+    def get(self, session_id: str, caller: Caller) -> Session:
+        """The live session with this id, if `caller` holds its credentials; marked as seen now."""
         with self._lock:
             session = self._sessions.get(SessionId(session_id))
             if session is None:
                 raise NotFound(
                     "unknown session: it ended (closed, timed out, or the daemon restarted); register again"
                 )
+            self._check(session, caller)
             session.last_seen = time.monotonic()
             return session
 
-    def close(self, session_id: str, reason: str = "closed") -> int:
-        """End a session; returns how many leases were released."""
+    def _check(self, session: Session, caller: Caller) -> None:
+        if not session.admits(caller):
+            raise PermissionDenied(
+                f"session {short_session(session.session_id)} belongs to another client: a call must carry the "
+                "session key its client received (same host: by attaching over the handoff socket) and the token "
+                "and certificate that opened it; register a session of your own"
+            )
+        if not self._grants(session.token, session.namespace):
+            raise PermissionDenied(
+                f"the token that opened this session no longer grants namespace {session.namespace!r} "
+                "(the tokens file was reloaded); ask the operator, then register again"
+            )
+
+    def attach(self, session_id: str, process: Process, token: str | None) -> Session:
+        """Bind a same-host session to the process attaching it (the first to attach); only
+        that process may attach it again. Returns the session, whose key and memory the
+        handoff then gives it."""
         with self._lock:
-            session = self._sessions.pop(SessionId(session_id), None)
+            session = self._sessions.get(SessionId(session_id))
+            if session is None:
+                raise NotFound("unknown session: it ended or was never opened; register again")
+            if token != session.token or not self._grants(token, session.namespace):
+                raise PermissionDenied("attach with the token that opened the session")
+            if session.process is not None and session.process.pid != process.pid:
+                raise PermissionDenied(
+                    f"session {short_session(session.session_id)} is attached to another process; register your own"
+                )
+            if not session.local:
+                raise PermissionDenied("a session opened over TCP cannot attach to same-host memory; register over the Unix socket")
+            session.process = process
+            session.last_seen = time.monotonic()
+            log.info("session attached", extra={"session": short_session(session.session_id), "pid": process.pid,
+                                                "uid": process.uid})
+            return session
+
+    def close(self, session_id: str, caller: Caller | None = None, reason: str = "closed") -> int:
+        """End a session (`caller` must hold its credentials; None: the daemon itself ends
+        it); returns how many leases were released."""
+        with self._lock:
+            session = self._sessions.get(SessionId(session_id))
+            if session is not None and caller is not None:
+                self._check(session, caller)
+            self._sessions.pop(SessionId(session_id), None)
         if session is None:
             raise NotFound("unknown session: it already ended; register again")
         released = session.pool.store.end_session(session.session_id)
@@ -100,7 +181,7 @@ class SessionManager:
             ids = list(self._sessions)
         for session_id in ids:
             try:
-                self.close(session_id, reason)
+                self.close(session_id, reason=reason)
             except NotFound:
                 pass  # ended concurrently
 
@@ -118,6 +199,6 @@ class SessionManager:
                 expired = [s.session_id for s in self._sessions.values() if now - s.last_seen > self.timeout]
             for session_id in expired:
                 try:
-                    self.close(session_id, "heartbeat timeout")
+                    self.close(session_id, reason="heartbeat timeout")
                 except NotFound:
                     pass  # closed by its client meanwhile

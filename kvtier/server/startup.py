@@ -15,6 +15,7 @@ import grpc
 
 from kvtier.mechanism.device import cuda_device_count
 from kvtier.server.config import ConfigError, DaemonConfig, ListenConfig, TiersConfig
+from kvtier.server.handoff import handoff_path
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +95,6 @@ def _check_and_claim(cfg: DaemonConfig, claims: Claims) -> None:
                 f"cache_dir {tiers.cache_dir} is in use by another kvtier daemon{_pid(owner)}; "
                 "stop it first or choose another --cache-dir"
             )
-    shm = shutil.disk_usage("/dev/shm")
-    if tiers.host_size > shm.free:
-        raise ConfigError(
-            f"host_size {tiers.host_size >> 20} MiB exceeds the free shared memory in /dev/shm ({shm.free >> 20} MiB); "
-            "lower --host-size or enlarge /dev/shm"
-        )
     available = _mem_available()
     if available is not None and tiers.host_size > available:
         raise ConfigError(f"host_size {tiers.host_size >> 20} MiB exceeds available RAM ({available >> 20} MiB); lower --host-size")
@@ -194,11 +189,7 @@ _SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, terminating NUL in
 def _claim_socket(path: str, claims: Claims) -> None:
     """Create the socket's directory and take the socket's lock; then any socket file at `path`
     is stale (its daemon died, or stopped before removing it) and is replaced."""
-    if len(os.fsencode(path)) >= _SUN_PATH_MAX:
-        raise ConfigError(
-            f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most {_SUN_PATH_MAX - 1}: "
-            "choose a shorter --socket"
-        )
+    _check_socket_path(handoff_path(path), "--socket (the handoff socket beside it adds 8 bytes)")
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o770, exist_ok=True)
@@ -213,6 +204,14 @@ def _claim_socket(path: str, claims: Claims) -> None:
         raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --socket")
     log.info("replacing stale socket", extra={"socket": path})
     os.unlink(path)
+
+
+def _check_socket_path(path: str, option: str) -> None:
+    if len(os.fsencode(path)) >= _SUN_PATH_MAX:
+        raise ConfigError(
+            f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most {_SUN_PATH_MAX - 1}: "
+            f"choose a shorter {option}"
+        )
 
 
 def _pid(owner: str) -> str:

@@ -1,21 +1,19 @@
 """Fixtures for the client's end-to-end tests: real `kvtier serve` processes over real
-sockets and real shared memory (tests/daemon.py), and clients closed at teardown.
+sockets and real shared memory files (tests/daemon.py), and clients closed at teardown.
 
 Every daemon started here is stopped at teardown, even when the test fails.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
-from daemon import Daemon, start_daemon
+from daemon import Daemon, start_daemon, stop_keeper
 from kvtier_client import KVTierClient
-from kvtier_client.shm import SHM_DIR
 
 
 def stop_all(daemons: list[Daemon]) -> list[str]:
     """Stop every daemon (SIGTERM, then SIGKILL on timeout); return problems instead of raising
-    at the first, so one bad daemon never leaves the others running."""
+    at the first, so one bad daemon never leaves the others running. Keepers are checked
+    once all are down: a restarted daemon shares its predecessor's keeper."""
     problems = []
     for d in daemons:
         try:
@@ -25,11 +23,9 @@ def stop_all(daemons: list[Daemon]) -> list[str]:
             continue
         if code != 0:
             problems.append(f"daemon exited with {code} after SIGTERM:\n{d.log()}")
-        left = [n for n in os.listdir(SHM_DIR) if n.startswith((d.arena_prefix, "." + d.arena_prefix))]
-        if left:
-            problems.append(f"daemon left host arenas behind: {left}")
-            for name in left:
-                os.unlink(os.path.join(SHM_DIR, name))
+    for d in daemons:
+        if stop_keeper(d):
+            problems.append(f"daemon exited 0 but left its arena keeper (and host memory) behind:\n{d.log()}")
     return problems
 
 

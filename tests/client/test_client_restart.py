@@ -36,7 +36,7 @@ def test_client_survives_daemon_restart(daemons, clients, tmp_path):
     assert set(hit.tiers) == {Tier.DISK}
     after = client.pool
     assert after.session_id != before.session_id
-    assert after.host_arena == f"{second.arena_prefix}-{LAYOUT.layout_id}"  # the new arena, mapped
+    assert after.handoff_socket == f"{second.socket}.handoff"  # attached to the new daemon, its arena mapped
     assert client.reconnects == 1
 
     # ... and read back through the new mapping, byte for byte, after promotion to host.
@@ -89,4 +89,4 @@ def test_restart_while_idle_is_noticed_by_heartbeats(daemons, clients, tmp_path)
     assert thread.startswith("kvtier-heartbeat")  # no engine call was made
     assert old == before and new == client.pool
     assert new.session_id != before.session_id and new.namespace == before.namespace
-    assert new.host_arena.startswith(second.arena_prefix)
+    assert new.handoff_socket == f"{second.socket}.handoff"

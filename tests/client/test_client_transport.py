@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from pki import make_pki
 from client_helpers import LAYOUT, as_bytes, kv_pages, tokens
+from kvtier_client.remote import RemotePages
 from kvtier_client import (
     Backoff,
     KVTierClient,
@@ -39,15 +40,22 @@ def tokens_file(tmp_path):
 
 
 def round_trip(client: KVTierClient, namespace: str, seed: int) -> None:
+    """Write and read back pages: through the mapped arena, or over gRPC for a client that
+    maps none (TCP: host memory is lent over the Unix socket only)."""
     client.register(namespace, LAYOUT)
     keys = client.block_keys(tokens(32, seed=seed))
     data = kv_pages(len(keys), LAYOUT, seed=seed)
+    remote = None if client.map_arena else RemotePages(client)
     with client.borrow(len(keys)) as lease:
-        for page, payload in zip(lease.pages, data):
-            as_bytes(page)[:] = payload
+        if remote is None:
+            for page, payload in zip(lease.pages, data):
+                as_bytes(page)[:] = payload
+        else:
+            remote.write_pages(lease, list(data))  # raw bytes: any page-sized buffer will do
         lease.commit(keys)
     with client.acquire(keys) as lease:
-        for page, payload in zip(lease.pages, data):
+        pages = lease.pages if remote is None else remote.read_pages(lease)
+        for page, payload in zip(pages, data):
             np.testing.assert_array_equal(as_bytes(page), payload)
 
 
@@ -70,8 +78,9 @@ def test_bearer_token_authorises_namespaces(daemons, clients, tokens_file):
 def test_plaintext_tcp_on_loopback(daemons, clients):
     port = free_port()
     daemons("--tcp", f"127.0.0.1:{port}", "--insecure")
-    client = clients(f"127.0.0.1:{port}", insecure=True)
-    round_trip(client, "test/tcp", seed=32)  # same host: the arena is mapped over TCP too
+    with pytest.raises(KVTierError, match="map_arena=False"):  # host memory is lent over the Unix socket only
+        clients(f"127.0.0.1:{port}", insecure=True).register("test/tcp", LAYOUT)
+    round_trip(clients(f"127.0.0.1:{port}", insecure=True, map_arena=False), "test/tcp", seed=32)
     with pytest.raises(ValueError, match="either tls or insecure"):
         KVTierClient(f"127.0.0.1:{port}", insecure=True, tls=TLSConfig())
 
@@ -85,7 +94,7 @@ def test_tls_and_mutual_tls(daemons, clients, tmp_path, tokens_file):
     )
     target = f"localhost:{port}"
     mutual = TLSConfig.from_files(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
-    round_trip(clients(target, tls=mutual, token=TOKEN_A), "tenant-a", seed=33)
+    round_trip(clients(target, tls=mutual, token=TOKEN_A, map_arena=False), "tenant-a", seed=33)
 
     # Without a client certificate the handshake fails: the call never reaches the service.
     server_only = TLSConfig.from_files(ca=pki.ca)
@@ -112,4 +121,5 @@ def test_plaintext_client_against_tls_daemon_fails_typed(daemons, clients, tmp_p
             "--tokens-file", str(tokens_file))
     with pytest.raises(KVTierError):
         clients(f"127.0.0.1:{port}", insecure=True, token=TOKEN_A, backoff=QUICK).stats()
-    round_trip(clients(f"localhost:{port}", tls=TLSConfig.from_files(ca=pki.ca), token=TOKEN_A), "tenant-a", seed=34)
+    round_trip(clients(f"localhost:{port}", tls=TLSConfig.from_files(ca=pki.ca), token=TOKEN_A, map_arena=False),
+               "tenant-a", seed=34)

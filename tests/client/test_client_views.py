@@ -1,4 +1,5 @@
-"""Page views over a real shared-memory file, without a daemon: shapes, dtypes, zero copy."""
+"""Page views over a real memory file (a memfd, as the daemon hands over), without a daemon:
+shapes, dtypes, zero copy."""
 from __future__ import annotations
 
 import gc
@@ -7,13 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import numpy as np
 import pytest
 
 from kvtier_client.layout import DTYPE_BYTES, PageLayout
-from kvtier_client.shm import shm_path
 from kvtier_client.views import NUMPY_DTYPES, HostArenaView, numpy_dtype
 
 SLOTS = 3
@@ -21,25 +20,23 @@ SLOTS = 3
 
 @pytest.fixture
 def shm_file():
-    """A real /dev/shm segment standing in for a daemon's arena; removed afterwards."""
-    name = f"kvtier-views-test-{uuid.uuid4().hex[:8]}"
+    """A real memfd standing in for a daemon's arena; closed afterwards."""
     created = []
 
-    def make(size: int) -> str:
-        fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def make(size: int) -> int:
+        fd = os.memfd_create("kvtier-views-test", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        os.close(fd)
-        created.append(name)
-        return name
+        created.append(fd)
+        return fd
 
     yield make
-    for n in created:
-        os.unlink(shm_path(n))
+    for fd in created:
+        os.close(fd)
 
 
 def _arena(shm_file, layout: PageLayout) -> HostArenaView:
     size = SLOTS * layout.slot_bytes
-    return HostArenaView.open(shm_file(size), size, layout, layout.page_bytes, layout.slot_bytes)
+    return HostArenaView.from_fd(shm_file(size), size, layout, layout.page_bytes, layout.slot_bytes)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
@@ -68,18 +65,17 @@ def test_numpy_dtypes_are_real_where_numpy_has_them():
 def test_views_address_slot_stride_and_share_memory(shm_file):
     # page_bytes = 2*2*4*2*3*2 = 384, slot_bytes = 4096: pages are not back to back.
     layout = PageLayout(layers=2, kv_heads=2, head_dim=3, block_tokens=4, dtype="float16")
-    name = shm_file(SLOTS * layout.slot_bytes)
-    arena = HostArenaView.open(name, SLOTS * layout.slot_bytes, layout, layout.page_bytes, layout.slot_bytes)
+    fd = shm_file(SLOTS * layout.slot_bytes)
+    arena = HostArenaView.from_fd(fd, SLOTS * layout.slot_bytes, layout, layout.page_bytes, layout.slot_bytes)
     arena.numpy(2, writable=True)[...] = 1.5
     # A second, independent mapping of the same file sees the write at slot 2's offset.
-    with open(shm_path(name), "rb") as f:
-        other = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        raw = np.frombuffer(other, dtype=np.uint8)
-        start = 2 * layout.slot_bytes
-        assert np.all(raw[start : start + layout.page_bytes].view(np.float16) == 1.5)
-        assert not raw[: start].any() and not raw[start + layout.page_bytes :].any()
-        del raw
-        other.close()
+    other = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    raw = np.frombuffer(other, dtype=np.uint8)
+    start = 2 * layout.slot_bytes
+    assert np.all(raw[start : start + layout.page_bytes].view(np.float16) == 1.5)
+    assert not raw[: start].any() and not raw[start + layout.page_bytes :].any()
+    del raw
+    other.close()
 
 
 def test_read_views_are_read_only(shm_file):
@@ -101,7 +97,7 @@ def test_disagreeing_page_size_is_refused(shm_file):
     layout = PageLayout(layers=1, kv_heads=1, head_dim=4, block_tokens=2)
     size = SLOTS * layout.slot_bytes
     with pytest.raises(ValueError, match="disagree"):
-        HostArenaView.open(shm_file(size), size, layout, layout.page_bytes * 2, layout.slot_bytes)
+        HostArenaView.from_fd(shm_file(size), size, layout, layout.page_bytes * 2, layout.slot_bytes)
 
 
 def test_close_keeps_pages_in_use_alive(shm_file):

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from daemon import Daemon, start_daemon
+from daemon import Daemon, start_daemon, stop_keeper
 from kvtier_client import KVTierClient, PageLayout, Tier
 from kvtier_client.integrations.hf import (
     HFPrefixCache,
@@ -22,7 +22,6 @@ from kvtier_client.integrations.hf import (
     page_layout,
 )
 from kvtier_client.integrations.planner import LoadPlan, Planner
-from kvtier_client.shm import SHM_DIR
 from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,8 +59,8 @@ def daemon(tmp_path_factory) -> Daemon:
         yield d
     finally:
         code = d.stop()
-        left = [n for n in os.listdir(SHM_DIR) if n.startswith(d.arena_prefix)]
-        assert code == 0 and not left, f"daemon exit {code}, arenas left {left}:\n{d.log()}"
+        keeper_left = stop_keeper(d)
+        assert code == 0 and not keeper_left, f"daemon exit {code}, arena keeper left running {keeper_left}:\n{d.log()}"
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,20 @@
 teardown even when a test fails, and real gRPC channels, closed at teardown."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, start_daemon
-from kvtier_client.shm import SHM_DIR
-from rpc import Conn, arenas, serve
+from daemon import Daemon, keeper_socket, start_daemon, stop_keeper
+from rpc import Conn, serve
 
 
 class Daemons:
     """Starts daemons under a base directory and stops all of them at teardown.
 
-    A daemon that exits 0 on SIGTERM must have removed its arenas; arenas left by a daemon
-    a test killed on purpose are removed quietly.
+    A daemon that exits 0 on SIGTERM must have ended its arena keeper (freeing the host
+    memory); the keeper of a daemon a test killed on purpose is ended quietly.
     """
 
     def __init__(self, base: Path) -> None:
@@ -61,13 +59,10 @@ class Daemons:
             except AssertionError as exc:
                 errors.append(str(exc))
                 codes.append(None)
-        # Only once all are down: a restarted daemon may reuse a killed one's arena prefix.
+        # Only once all are down: a restarted daemon takes over a killed one's keeper.
         for daemon, code in zip(self.started, codes):
-            left = arenas(daemon.arena_prefix) + arenas("." + daemon.arena_prefix)  # and their slot tables
-            for name in left:
-                os.unlink(os.path.join(SHM_DIR, name))
-            if code == 0 and left:
-                errors.append(f"daemon exited 0 but left arenas in {SHM_DIR}: {left}")
+            if stop_keeper(daemon) and code == 0:
+                errors.append(f"daemon exited 0 but left its arena keeper running at {keeper_socket(daemon)}")
         assert not errors, "\n".join(errors)
 
 

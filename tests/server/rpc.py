@@ -18,11 +18,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon import KVTIER, Daemon, launch  # tests/daemon.py (tests/ is on sys.path via its conftest)
+from daemon import KVTIER, Daemon, keeper_socket, launch  # tests/daemon.py (tests/ is on sys.path via its conftest)
 from kvtier_client.keys import hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
-from kvtier_client.shm import SHM_DIR, shm_path
+from kvtier_client.handoff import attach
 from prometheus_client.parser import text_string_to_metric_families
 
 #: 3072-byte pages in 4096-byte slots: 1 MiB of host tier holds 256 pages.
@@ -50,22 +50,34 @@ def register_request(namespace: str = "ns", *, layout: pb.PageLayout = LAYOUT, a
 class Conn:
     """A channel and a stub to one daemon; every call carries the bearer token, if any, and a deadline.
 
-    Sessions opened with `register` are closed by `close`, so a shared daemon sees no stray ones.
+    Sessions opened with `register` are attached (over the handoff socket, as a same-host
+    client must before its first call) and closed by `close`, so a shared daemon sees no
+    stray ones.
     """
 
     def __init__(self, target: str, *, token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                  options: tuple = ()) -> None:
         self.channel = grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
         self.stub = kvtier_pb2_grpc.KVTierStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.sessions: list[str] = []
+        self.token = token
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.sessions: dict[str, str] = {}  # session id -> key
+        self.arena_fds: dict[str, int] = {}  # session id -> the host arena's descriptor
 
-    def call(self, method: str, request, timeout: float = TIMEOUT):
-        return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+    def call(self, method: str, request, timeout: float = TIMEOUT, key: str = ""):
+        """`key`: the key of the session the request names (sent as kvtier-session-key)."""
+        metadata = (*self.metadata, ("kvtier-session-key", key)) if key else self.metadata
+        return getattr(self.stub, method)(request, timeout=timeout, metadata=metadata or None)
 
     def register(self, namespace: str = "ns", **kwargs) -> pb.RegisterResponse:
+        """Register, then attach the session (over TCP, the reply carries the key)."""
         reply = self.call("Register", register_request(namespace, **kwargs))
-        self.sessions.append(reply.session_id)
+        key = reply.session_key
+        if reply.handoff_socket:
+            attachment = attach(reply.handoff_socket, reply.session_id, self.token)
+            key = attachment.session_key
+            self.arena_fds[reply.session_id] = attachment.arena_fd
+        self.sessions[reply.session_id] = key
         return reply
 
     def session(self, namespace: str = "ns", **kwargs) -> "Session":
@@ -79,12 +91,15 @@ class Conn:
 
     def close(self) -> None:
         """Close the sessions this connection opened, then the channel; safe to call twice."""
-        sessions, self.sessions = self.sessions, []
-        for session_id in sessions:
+        sessions, self.sessions = self.sessions, {}
+        for session_id, key in sessions.items():
             try:
-                self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=TIMEOUT)
+                self.call("CloseSession", pb.CloseSessionRequest(session_id=session_id), key=key)
             except grpc.RpcError:
                 pass  # ended already (timed out, closed by the test, or the daemon is gone)
+        fds, self.arena_fds = self.arena_fds, {}
+        for fd in fds.values():
+            os.close(fd)
         self.channel.close()
 
 
@@ -95,12 +110,20 @@ class Session:
         self.conn = conn
         self.reply = reply
         self.id = reply.session_id
+        self.key = conn.sessions[reply.session_id]
+
+    @property
+    def arena_fd(self) -> int:
+        return self.conn.arena_fds[self.id]
+
+    def call(self, method: str, request, **kwargs):
+        return self.conn.call(method, request, key=self.key, **kwargs)
 
     def borrow(self, count: int) -> pb.BorrowResponse:
-        return self.conn.call("Borrow", pb.BorrowRequest(session_id=self.id, count=count))
+        return self.call("Borrow", pb.BorrowRequest(session_id=self.id, count=count))
 
     def commit(self, lease_id: int, keys: list[bytes], parent: bytes = b"") -> pb.CommitResponse:
-        return self.conn.call("Commit", pb.CommitRequest(session_id=self.id, lease_id=lease_id, keys=keys, parent=parent))
+        return self.call("Commit", pb.CommitRequest(session_id=self.id, lease_id=lease_id, keys=keys, parent=parent))
 
     def put(self, keys: list[bytes]) -> pb.BorrowResponse:
         """Borrow len(keys) pages and commit them under keys; returns the borrow reply."""
@@ -109,22 +132,22 @@ class Session:
         return lease
 
     def lookup(self, keys: list[bytes]) -> pb.LookupResponse:
-        return self.conn.call("Lookup", pb.LookupRequest(session_id=self.id, keys=keys))
+        return self.call("Lookup", pb.LookupRequest(session_id=self.id, keys=keys))
 
     def acquire(self, keys: list[bytes], tier: int = pb.TIER_HOST, **kwargs) -> pb.AcquireResponse:
-        return self.conn.call("Acquire", pb.AcquireRequest(session_id=self.id, keys=keys, tier=tier, **kwargs))
+        return self.call("Acquire", pb.AcquireRequest(session_id=self.id, keys=keys, tier=tier, **kwargs))
 
     def release(self, lease_id: int) -> pb.ReleaseResponse:
-        return self.conn.call("Release", pb.ReleaseRequest(session_id=self.id, lease_id=lease_id))
+        return self.call("Release", pb.ReleaseRequest(session_id=self.id, lease_id=lease_id))
 
     def prefetch(self, keys: list[bytes], tier: int = pb.TIER_HOST) -> pb.PrefetchResponse:
-        return self.conn.call("Prefetch", pb.PrefetchRequest(session_id=self.id, keys=keys, tier=tier))
+        return self.call("Prefetch", pb.PrefetchRequest(session_id=self.id, keys=keys, tier=tier))
 
     def heartbeat(self) -> pb.HeartbeatResponse:
-        return self.conn.call("Heartbeat", pb.HeartbeatRequest(session_id=self.id))
+        return self.call("Heartbeat", pb.HeartbeatRequest(session_id=self.id))
 
     def close(self) -> pb.CloseSessionResponse:
-        return self.conn.call("CloseSession", pb.CloseSessionRequest(session_id=self.id))
+        return self.call("CloseSession", pb.CloseSessionRequest(session_id=self.id))
 
 
 def expect_code(code: grpc.StatusCode, call: Callable, *args, **kwargs) -> str:
@@ -167,26 +190,24 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-def arenas(prefix: str) -> list[str]:
-    """Host arenas a daemon with this arena prefix has in /dev/shm (/dev/shm/<prefix>-<layout id>)."""
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix + "-"))
+def in_dev_shm(prefix: str) -> list[str]:
+    """Files in /dev/shm with a daemon's arena prefix in their name: there must be none."""
+    return sorted(name for name in os.listdir("/dev/shm") if prefix in name)
 
 
 class Arena:
-    """A host arena mapped the way a same-host engine maps it: by name, from /dev/shm."""
+    """A host arena mapped the way a same-host engine maps it: from the descriptor the
+    daemon handed over when the session attached."""
 
-    def __init__(self, name: str, size: int, *, slot_bytes: int = SLOT_BYTES, page_bytes: int = PAGE_BYTES) -> None:
+    def __init__(self, fd: int, size: int, *, slot_bytes: int = SLOT_BYTES, page_bytes: int = PAGE_BYTES) -> None:
         self.slot_bytes = slot_bytes
         self.page_bytes = page_bytes
-        fd = os.open(shm_path(name), os.O_RDWR)
-        try:
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
-    def of(cls, reply: pb.RegisterResponse) -> "Arena":
-        return cls(reply.host_arena, reply.host_arena_bytes, slot_bytes=reply.slot_bytes, page_bytes=reply.page_bytes)
+    def of(cls, session: Session) -> "Arena":
+        reply = session.reply
+        return cls(session.arena_fd, reply.host_arena_bytes, slot_bytes=reply.slot_bytes, page_bytes=reply.page_bytes)
 
     def write(self, slot: int, data: bytes) -> None:
         self.mm[slot * self.slot_bytes : slot * self.slot_bytes + len(data)] = data

@@ -64,7 +64,7 @@ class Store:
         self.conn = conn
         self.s: Session = conn.session(namespace, layout=layout)
         self.pool = self.s.reply.pool_id
-        self.arena = Arena.of(self.s.reply)
+        self.arena = Arena.of(self.s)
         self.capacity = next(t.capacity_pages for t in self.s.reply.tiers if t.tier == pb.TIER_HOST)
 
     def content(self, key: bytes) -> bytes:
@@ -90,7 +90,7 @@ class Store:
     def acquire(self, ks: list[bytes], wait: int = pb.WAIT_ALL, deadline_ms: int = 0,
                 timeout: float = LONG) -> pb.AcquireResponse:
         request = pb.AcquireRequest(session_id=self.s.id, keys=ks, tier=pb.TIER_HOST, wait=wait, deadline_ms=deadline_ms)
-        return self.conn.call("Acquire", request, timeout=timeout)
+        return self.s.call("Acquire", request, timeout=timeout)
 
     def assert_bytes(self, lease: pb.AcquireResponse, ks: list[bytes]) -> None:
         """The lease's slots hold, in order, the pages committed under ks (its ready prefix)."""
@@ -268,6 +268,7 @@ HINTER = textwrap.dedent(
     """
     import sys, time
     import grpc
+    from kvtier_client.handoff import attach
     from kvtier_client.keys import hash_fingerprint
     from kvtier_client.proto.v1 import kvtier_pb2 as pb, kvtier_pb2_grpc
 
@@ -275,8 +276,9 @@ HINTER = textwrap.dedent(
     layout = pb.PageLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16")
     reg = stub.Register(pb.RegisterRequest(namespace="killed", layout=layout, hash_algorithm="xxh3-128",
                                            hash_fingerprint=hash_fingerprint("xxh3-128"), client_name="doomed"), timeout=10)
+    key = (("kvtier-session-key", attach(reg.handoff_socket, reg.session_id, None).session_key),)
     keys = [bytes.fromhex(k) for k in sys.argv[2:]]
-    reply = stub.Prefetch(pb.PrefetchRequest(session_id=reg.session_id, keys=keys, tier=pb.TIER_HOST), timeout=10)
+    reply = stub.Prefetch(pb.PrefetchRequest(session_id=reg.session_id, keys=keys, tier=pb.TIER_HOST), timeout=10, metadata=key)
     print(reg.session_id, reply.accepted, flush=True)
     time.sleep(600)
     """

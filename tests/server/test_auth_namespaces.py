@@ -78,7 +78,7 @@ def test_recycled_pages_carry_no_other_namespace_data(daemon, connect):
     a = connect(daemon.target, token=TOKEN_A).session("tenant-a")
     b = connect(daemon.target, token=TOKEN_B).session("tenant-b")
     capacity = a.reply.tiers[0].capacity_pages
-    arena = Arena.of(a.reply)
+    arena = Arena.of(a)
     try:
         lease = a.borrow(capacity)  # every host page: A writes its data into all of them
         for slot in lease.slots:

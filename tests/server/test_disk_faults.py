@@ -119,7 +119,7 @@ def served(session, arena: Arena, ks: list[bytes]) -> int:
 def test_daemon_keeps_serving_from_host(small_fs, daemons, connect):
     d = daemons.start(name="d", host_size="256KiB", disk_size="512KiB")  # 64 host pages, 128 disk pages
     s = connect(d.target).session()
-    arena = Arena.of(s.reply)
+    arena = Arena.of(s)
 
     def put(tag: str, n: int = 64) -> list[bytes]:
         ks = keys(tag, n)

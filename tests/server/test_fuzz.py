@@ -226,7 +226,7 @@ def fuzz(daemons, examples: int) -> None:
         conn.register("fuzz", layout=OTHER_LAYOUT)
         committed = keys("fuzz", 8)
         lease = s.borrow(len(committed))
-        arena = Arena.of(s.reply)
+        arena = Arena.of(s)
         for i, slot in enumerate(lease.slots):
             arena.write(slot, page(f"fuzz-{i}"))
         s.commit(lease.lease_id, committed)

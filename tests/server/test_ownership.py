@@ -20,7 +20,7 @@ def put_pages(conn_session, tag: str, n: int) -> list[bytes]:
     """Write n pages of known content and commit them (through to disk with --write-through)."""
     blocks = keys(tag, n)
     lease = conn_session.borrow(n)
-    arena = Arena.of(conn_session.reply)
+    arena = Arena.of(conn_session)
     try:
         for i, slot in enumerate(lease.slots):
             arena.write(slot, page(f"{tag}-{i}"))
@@ -32,7 +32,7 @@ def put_pages(conn_session, tag: str, n: int) -> list[bytes]:
 
 def read_pages(conn_session, blocks: list[bytes]) -> list[bytes]:
     read = conn_session.acquire(blocks)
-    arena = Arena.of(conn_session.reply)
+    arena = Arena.of(conn_session)
     try:
         return [arena.read(slot) for slot in read.slots]
     finally:

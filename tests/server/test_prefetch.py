@@ -13,7 +13,7 @@ def test_prefetch_brings_disk_pages_back_to_host(daemons, connect):
     s = conn.session("prefetch")
     capacity = s.reply.tiers[0].capacity_pages
     prefix = keys("prefetch", 4)
-    arena = Arena.of(s.reply)
+    arena = Arena.of(s)
     try:
         lease = s.borrow(len(prefix))
         for i, slot in enumerate(lease.slots):

@@ -20,6 +20,7 @@ CLIENT = textwrap.dedent(
     """
     import json, sys, threading, time
     import grpc
+    from kvtier_client.handoff import attach
     from kvtier_client.keys import hash_fingerprint
     from kvtier_client.proto.v1 import kvtier_pb2 as pb, kvtier_pb2_grpc
 
@@ -28,18 +29,19 @@ CLIENT = textwrap.dedent(
     reg = stub.Register(pb.RegisterRequest(namespace="crash", layout=layout, hash_algorithm="xxh3-128",
                                            hash_fingerprint=hash_fingerprint("xxh3-128"), client_name="doomed"), timeout=10)
     sid = reg.session_id
+    key = (("kvtier-session-key", attach(reg.handoff_socket, sid, None).session_key),)
 
     def beat():
         while True:
-            stub.Heartbeat(pb.HeartbeatRequest(session_id=sid), timeout=10)
+            stub.Heartbeat(pb.HeartbeatRequest(session_id=sid), timeout=10, metadata=key)
             time.sleep(reg.heartbeat_interval_ms / 1000)
 
     threading.Thread(target=beat, daemon=True).start()
     keys = [bytes([i + 1]) * 16 for i in range(4)]
-    written = stub.Borrow(pb.BorrowRequest(session_id=sid, count=4), timeout=10)
-    stub.Commit(pb.CommitRequest(session_id=sid, lease_id=written.lease_id, keys=keys), timeout=10)
-    stub.Acquire(pb.AcquireRequest(session_id=sid, keys=keys, tier=pb.TIER_HOST), timeout=10)
-    stub.Borrow(pb.BorrowRequest(session_id=sid, count=8), timeout=10)
+    written = stub.Borrow(pb.BorrowRequest(session_id=sid, count=4), timeout=10, metadata=key)
+    stub.Commit(pb.CommitRequest(session_id=sid, lease_id=written.lease_id, keys=keys), timeout=10, metadata=key)
+    stub.Acquire(pb.AcquireRequest(session_id=sid, keys=keys, tier=pb.TIER_HOST), timeout=10, metadata=key)
+    stub.Borrow(pb.BorrowRequest(session_id=sid, count=8), timeout=10, metadata=key)
     print(json.dumps({"session": sid, "pool": reg.pool_id}), flush=True)
     print("ready", flush=True)
     time.sleep(600)

@@ -111,7 +111,8 @@ def test_failed_precondition(conn):
         message = expect_code(Code.FAILED_PRECONDITION, conn.call, "Register", register_request("codes", fingerprint="ab" * 16))
         assert "fingerprint" in message
         with pytest.raises(grpc.RpcError) as info:  # the slow path checks the lease kind too
-            list(conn.stub.ReadPages(pb.ReadPagesRequest(session_id=s.id, lease_id=write.lease_id), timeout=10))
+            list(conn.stub.ReadPages(pb.ReadPagesRequest(session_id=s.id, lease_id=write.lease_id), timeout=10,
+                                     metadata=(("kvtier-session-key", s.key),)))
         assert info.value.code() == Code.FAILED_PRECONDITION
     # Both leases survived the other session's attempts.
     s.release(read.lease_id)
@@ -130,7 +131,7 @@ def test_resource_exhausted_never_hangs(conn):
     assert (host.free_pages, host.pinned_pages, host.writing_pages) == (0, len(pinned), capacity - len(pinned))
     with unchanged(conn):
         start = time.monotonic()
-        message = expect_code(Code.RESOURCE_EXHAUSTED, conn.call, "Borrow", pb.BorrowRequest(session_id=s.id, count=1), timeout=5)
+        message = expect_code(Code.RESOURCE_EXHAUSTED, s.call, "Borrow", pb.BorrowRequest(session_id=s.id, count=1), timeout=5)
         assert time.monotonic() - start < 5
         assert "release leases" in message
     s.release(read.lease_id)

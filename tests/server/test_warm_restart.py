@@ -55,7 +55,7 @@ def _restart_and_read(daemons, connect, prefix: str, host_size: str, disk_size: 
     how many were found, the keys that read back wrong)."""
     daemon = _start(daemons, prefix, host_size, disk_size)
     s = connect(daemon.target).session(namespace)  # a layout's pool, and so its arena, opens at its first Register
-    arena = Arena.of(s.reply)
+    arena = Arena.of(s)
     try:
         found, wrong = _found_and_wrong(s, arena, blocks)
     finally:
@@ -69,7 +69,7 @@ def test_kill_9_keeps_committed_host_pages(daemons, connect):
     prefix = f"kvtier-test-warm-{uuid.uuid4().hex[:6]}"
     first = _start(daemons, prefix, "8MiB", "4MiB")
     s = connect(first.target).session("warm")
-    arena = Arena.of(s.reply)
+    arena = Arena.of(s)
     blocks = keys("warm", 1500)
     for i in range(0, len(blocks), 50):
         _write(s, arena, blocks[i : i + 50])
@@ -116,7 +116,7 @@ def test_kills_at_random_moments_never_serve_a_wrong_page(daemons, connect, roun
     for round_ in range(rounds):
         daemon = _start(daemons, prefix, "1MiB", "4MiB")
         s = connect(daemon.target).session("kills")
-        arena = Arena.of(s.reply)
+        arena = Arena.of(s)
         stop = threading.Event()
         worker = threading.Thread(target=_load, args=(s, arena, f"r{round_}", written, stop, rng))
         worker.start()
@@ -145,7 +145,7 @@ def test_a_kill_during_the_stop_loses_nothing(daemons, connect, delay):
     first = _start(daemons, prefix, "8MiB", "8MiB")
     conn = connect(first.target)
     s = conn.session("stop")
-    arena = Arena.of(s.reply)
+    arena = Arena.of(s)
     blocks = keys(f"stop-{delay}", 1500)
     for i in range(0, len(blocks), 100):
         _write(s, arena, blocks[i : i + 100])

@@ -114,9 +114,11 @@ class KvtierPages:
             client.release(lease)
 
     def arena(self) -> HostArenaView:
-        """The bench's own mapping of the daemon's host arena (for the np.copyto baseline)."""
-        info = self.client.pool
-        return HostArenaView.open(info.host_arena, info.host_arena_bytes, info.layout, info.page_bytes, info.slot_bytes)
+        """The client's mapping of its namespace's host arena (for the np.copyto baseline)."""
+        arena = self.client.host_arena
+        if arena is None:
+            raise RuntimeError("a remote (map_arena=False) client has no host arena to copy into")
+        return arena
 
 
 class KvtierStore:

@@ -1,0 +1,113 @@
+"""The handoff socket: where a same-host client attaches its session and receives its
+namespace's host arena as a file descriptor, and the session key.
+
+Register (gRPC) cannot say which process is calling; this socket can: the kernel gives
+the connecting process's pid, uid and gid (SO_PEERCRED). The first process to attach a
+session owns it (kvtier.server.sessions.SessionManager.attach), and only it gets the key
+that every later call of the session must carry. The arena travels as an SCM_RIGHTS
+descriptor of a memfd, so no path anywhere names it. Protocol: kvtier_client.handoff.
+"""
+from __future__ import annotations
+
+import array
+import json
+import logging
+import os
+import socket
+import threading
+
+from kvtier_client.errors import InvalidArgument, KVTierError
+from kvtier_client.handoff import MESSAGE_BYTES
+
+from kvtier.mechanism.keeper import peer_credentials
+from kvtier.server.sessions import Process, SessionManager
+
+log = logging.getLogger(__name__)
+
+#: A client that connects and says nothing is dropped after this long.
+ATTACH_TIMEOUT_S = 5.0
+#: Attaches served at once; more wait in the listen backlog.
+MAX_ATTACHING = 16
+
+
+def handoff_path(socket_path: str) -> str:
+    return f"{socket_path}.handoff"
+
+
+class Handoff:
+    """The listening socket and its accept thread; one short-lived thread per attach."""
+
+    def __init__(self, path: str, sessions: SessionManager, mode: int = 0o660) -> None:
+        self.path = path
+        self._sessions = sessions
+        self._mode = mode
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._slots = threading.BoundedSemaphore(MAX_ATTACHING)
+
+    def start(self) -> None:
+        try:
+            os.unlink(self.path)  # ours: the daemon holds the socket path's claim
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        listener.bind(self.path)
+        os.chmod(self.path, self._mode)
+        listener.listen(64)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept, name="kvtier-handoff", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._listener is None:
+            return
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self._listener.close()
+        self._thread.join()
+        self._listener = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            self._slots.acquire()
+            threading.Thread(target=self._serve, args=(conn,), name="kvtier-attach", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(ATTACH_TIMEOUT_S)
+                process = Process(*peer_credentials(conn))
+                try:
+                    reply, fd = self._attach(conn.recv(MESSAGE_BYTES), process)
+                except KVTierError as exc:
+                    reply, fd = {"ok": False, "code": exc.code, "message": str(exc)}, None
+                data = json.dumps(reply).encode()
+                if fd is None:
+                    conn.sendall(data)
+                else:
+                    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        except OSError as exc:
+            log.info("attach connection failed", extra={"reason": str(exc)})
+        except Exception:
+            log.exception("internal error while attaching a session")
+        finally:
+            self._slots.release()
+
+    def _attach(self, data: bytes, process: Process) -> tuple[dict, int]:
+        try:
+            request = json.loads(data)
+            session_id, token = request["session_id"], request.get("token")
+            if not isinstance(session_id, str) or not (token is None or isinstance(token, str)):
+                raise TypeError
+        except (ValueError, TypeError, KeyError):
+            raise InvalidArgument('an attach request is {"session_id": "...", "token": "..." or null}') from None
+        session = self._sessions.attach(session_id, process, token)
+        host = session.pool.host
+        return {"ok": True, "session_key": session.key, "arena_bytes": host.size}, host.file_for(session.namespace)
