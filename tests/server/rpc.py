@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon import KVTIER, Daemon, keeper_socket, launch  # tests/daemon.py (tests/ is on sys.path via its conftest)
+from daemon import KVTIER, Daemon, launch  # tests/daemon.py (tests/ is on sys.path via its conftest)
 from kvtier_client.keys import hash_fingerprint
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc

@@ -12,7 +12,8 @@ import time
 
 import lmdb
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from rpc import Arena, in_dev_shm, keeper_socket, keys, page, tier_stats
+from daemon import keeper_socket
+from rpc import Arena, in_dev_shm, keys, page, tier_stats
 
 
 def test_sigterm_persists_pages_for_the_next_daemon(daemons, connect):
