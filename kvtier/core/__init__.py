@@ -2,16 +2,29 @@
 behind one façade (`BlockStore`) and one lock. The only code that changes residency.
 
 Import from here: these names are the core's boundary."""
+from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissReason
 from kvtier.core.index import TierCounters, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind
-from kvtier.core.results import CommitOutcome, PrefixMatch, ReadGrant, StoreUsage, TierUsage, WriteGrant
+from kvtier.core.quotas import Quota
+from kvtier.core.results import (
+    BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
+    StoreUsage, TierUsage, WriteGrant,
+)
 from kvtier.core.store import BlockStore
 
 __all__ = [
+    "DEFAULT_HISTORY_SIZE",
+    "BlockState",
+    "BlockStatus",
     "BlockStore",
     "CommitOutcome",
+    "Explanation",
     "LeaseKind",
+    "MissReason",
+    "NamespaceTierUsage",
+    "NamespaceUsage",
     "PrefixMatch",
+    "Quota",
     "ReadGrant",
     "StoreUsage",
     "TierCounters",

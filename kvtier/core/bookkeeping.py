@@ -28,7 +28,7 @@ class BookkeepingMover:
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
 
-    def clear_host(self, slot: Slot) -> None:
+    def give_host(self, slot: Slot, namespace: str) -> None:
         pass
 
     def publish_host(self, records: Sequence[PageRecord]) -> None:

@@ -1,13 +1,18 @@
 """Capacity: making room in a tier, and where evicted pages go.
 
-    make_room(tier, n)   the tier's policy proposes victims (it never changes anything);
-                         too few -> CapacityError with every structure untouched;
-                         enough -> evict them
-    evict(tier, blocks)  device copies with no host copy are demoted to host, host copies
-                         with no disk copy are copied to disk, as far as the next tier can
-                         take them; then the copies go: device -> host -> disk -> gone
-    persist(deadline)    at a clean stop, host-only (and device-only) pages go to disk, in
-                         batches that each become durable on their own
+    make_room(tier, n, ns)   the tier's policy proposes victims (it never changes anything);
+                             too few -> CapacityError with every structure untouched;
+                             enough -> evict them
+    evict(tier, blocks, ns)  device copies with no host copy are demoted to host, host copies
+                             with no disk copy are copied to disk, as far as the next tier can
+                             take them; then the copies go: device -> host -> disk -> gone
+    persist(deadline)        at a clean stop, host-only (and device-only) pages go to disk, in
+                             batches that each become durable on their own
+
+Every allocation is for a namespace (`ns`), and quotas (kvtier.core.quotas) shape the room
+made for it: a namespace at its maximum evicts its own pages first, and no other namespace
+is evicted below its guarantee. Demotions allocate for the demoted block's namespace.
+Without quotas the namespace decides nothing.
 
 Called by the store with its lock held. Demotions are synchronous mover calls.
 """
@@ -23,6 +28,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import PageMover, PageRecord
+from kvtier.core.quotas import Quota, VictimPicker
 from kvtier.policy import Ref
 
 #: Pages per durable step of the stop-time copy to disk: a kill during the stop keeps every
@@ -35,65 +41,136 @@ class Capacity:
         self.index = index
         self.mover = mover
         self.page_bytes = layout.page_bytes
+        #: Quotas by namespace (the store sets them); a namespace missing here has none.
+        self.quotas: dict[str, Quota] = {}
+
+    # -- host slots changing hands ---------------------------------------------
+    def own_host(self, slot: Slot, namespace: str) -> None:
+        """Slot `slot` is about to hold `namespace`'s bytes: the mechanism hears of every
+        change of holder, so nothing of the previous one shows through."""
+        if self.index.host_owner[slot] != namespace:
+            self.mover.give_host(slot, namespace)
+            self.index.host_owner[slot] = namespace
 
     def take_host_slots(self, namespace: str, n: int) -> list[Slot]:
-        """n free host slots for a writer of `namespace` (the caller made room), zeroed
-        where another namespace's data was."""
+        """n free host slots for a writer of `namespace` (the caller made room)."""
         host = self.index.tiers[Tier.HOST]
         slots = [host.slots.alloc() for _ in range(n)]
         for slot in slots:
-            if self.index.host_owner[slot] not in (None, namespace):
-                self.mover.clear_host(slot)
-            self.index.host_owner[slot] = namespace
+            self.own_host(slot, namespace)
         return slots
 
-    def make_room(self, tier: Tier, n: int, *, hint: bool = False) -> None:
-        """Make n slots of `tier` free, or raise CapacityError having changed nothing.
+    # -- making room ------------------------------------------------------------
+    def make_room(self, tier: Tier, n: int, namespace: str, *, hint: bool = False) -> None:
+        """Make n slots of `tier` free for `namespace`, or raise CapacityError having changed
+        nothing.
 
         Held prefetched pages go last: only when nothing else can, and never to make room
         for a hint (`hint`). So prefetches cannot evict each other's held pages, and a
         host full of them never refuses a borrow or an acquire.
         """
         state = self.index.tiers[tier]
-        short = n - state.slots.free_count
-        if short <= 0:
+        free = state.slots.free_count
+        if n <= free and (not self.quotas or self.over_quota(tier, namespace, n) <= 0):
             return
-        victims = state.policy.victims(short, self.index.protected(tier))
-        if len(victims) < short and not hint:
-            chosen, unheld = set(victims), self.index.protected(tier, holds=False)
-            victims += state.policy.victims(short - len(victims), lambda ref: ref in chosen or unheld(ref))
-        if len(victims) < short:
+        victims, allowed = self.choose(tier, n, free, namespace, last_resort=not hint)
+        if allowed < n:
+            raise CapacityError(self.quota_message(tier, n, namespace))
+        if free + len(victims) < n:
+            rest = "the rest leased, in use or guaranteed to other namespaces" if self.quotas else "the rest leased or in use"
             raise CapacityError(
-                f"{tier.label} tier is full: {n} pages needed, {state.slots.free_count} free, "
-                f"{len(victims)} evictable, the rest leased or in use; release leases or give the tier more capacity"
+                f"{tier.label} tier is full: {n} pages needed, {free} free, "
+                f"{len(victims)} evictable, {rest}; release leases or give the tier more capacity"
             )
-        self.evict(tier, [self.index.blocks[ref] for ref in victims])
+        self.evict(tier, [self.index.blocks[ref] for ref in victims], namespace)
 
-    def evict(self, tier: Tier, victims: list[Block]) -> None:
-        """Remove victims' copies from `tier`. Device copies with no host copy and host
-        copies with no disk copy are demoted first where the next tier can take them; what
-        it cannot take is dropped."""
+    def choose(self, tier: Tier, n: int, free: int, namespace: str, *, keep: Callable[[Ref], bool] | None = None,
+               last_resort: bool = False) -> tuple[list[Ref], int]:
+        """Victims in `tier` (with `free` slots free) for n new pages of `namespace`: its own
+        pages beyond its quota first, then room, never another namespace's below its
+        guarantee. Pages for which `keep` is true (default: protected ones) are never
+        chosen; with `last_resort`, held prefetched pages are if nothing else is left.
+        Returns the victims and how many of the n fit its quota once they go (the tier may
+        still be short). Changes nothing."""
+        policy = self.index.tiers[tier].policy
+        if not self.quotas:  # the policy's order alone
+            short = n - free
+            if short <= 0:
+                return [], n
+            victims = policy.victims(short, keep or self.index.protected(tier))
+            if len(victims) < short and last_resort:
+                chosen, unheld = set(victims), self.index.protected(tier, holds=False)
+                victims += policy.victims(short - len(victims), lambda ref: ref in chosen or unheld(ref))
+            return victims, n
+        keep = keep or self.index.protected(tier)
+        picker = VictimPicker(policy, namespace, self.spare(tier, namespace))
+        fallback = self.index.protected(tier, holds=False) if last_resort else None
+        allowed = n
+        over = self.over_quota(tier, namespace, n)
+        if over > 0:
+            picker.take(over, keep, fallback, own=True)
+            allowed = max(0, n - (over - len(picker.chosen)))
+        picker.take(allowed - free - len(picker.chosen), keep, fallback)
+        return picker.chosen, allowed
+
+    def spare(self, tier: Tier, namespace: str) -> dict[str, int]:
+        """How far above its guarantee in `tier` every other namespace with one is."""
+        return {
+            ns: self.usage(ns, tier) - quota.guaranteed_pages(tier)
+            for ns, quota in self.quotas.items()
+            if ns != namespace and quota.guaranteed_pages(tier)
+        }
+
+    def usage(self, namespace: str, tier: Tier) -> int:
+        counters = self.index.namespaces.get(namespace)
+        return counters.pages[tier] if counters else 0
+
+    def over_quota(self, tier: Tier, namespace: str, n: int) -> int:
+        """How many of its own pages `namespace` must give up in `tier` before n more fit its
+        quota (<= 0: none)."""
+        quota = self.quotas.get(namespace)
+        limit = quota.max_pages(tier) if quota else 0
+        return self.usage(namespace, tier) + n - limit if limit else 0
+
+    def quota_message(self, tier: Tier, n: int, namespace: str) -> str:
+        return (
+            f"namespace {namespace!r} is at its {tier.label} quota of {self.quotas[namespace].max_pages(tier)} pages: "
+            f"{self.usage(namespace, tier)} in use, {n} more needed, too few of its own evictable; "
+            "release its leases or raise its quota"
+        )
+
+    def by_namespace(self, blocks: list[Block]) -> list[tuple[str, list[Block]]]:
+        """`blocks` in one batch per namespace, as quotas are kept per namespace; without
+        quotas in one batch (the namespace decides nothing then)."""
+        if not self.quotas:
+            return [(blocks[0].ref[0], blocks)] if blocks else []
+        groups: dict[str, list[Block]] = {}
+        for b in blocks:
+            groups.setdefault(b.ref[0], []).append(b)
+        return list(groups.items())
+
+    # -- where evicted pages go -------------------------------------------------
+    def evict(self, tier: Tier, victims: list[Block], namespace: str) -> None:
+        """Remove victims' copies from `tier` to make room for `namespace`. Device copies
+        with no host copy and host copies with no disk copy are demoted first where the
+        next tier can take them; what it cannot take is dropped."""
         tiers = self.index.tiers
         if tier == Tier.HOST and Tier.DISK in tiers:
             self.copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
         if tier == Tier.DEVICE:
-            only_here = [b for b in victims if Tier.HOST not in b.copies]
             also_host = [b for b in victims if Tier.HOST in b.copies]
             self.index.wait_on(also_host, Tier.HOST)  # their host copies survive: not room for the others
             try:
-                self.make_room(Tier.HOST, len(only_here))
-            except CapacityError:
-                only_here = []  # host is full of leased pages: these device pages are dropped
+                self.copy_down_each([b for b in victims if Tier.HOST not in b.copies])
             finally:
                 self.index.stop_waiting(also_host, Tier.HOST)
-            if only_here:
-                self.demote_to_host(only_here)
         self.drop(victims, tier)
-        tiers[tier].counters.evictions += len(victims)
+        self.index.evicted(victims, tier, tiers[tier].policy.name, namespace)
 
     def copy_to_disk(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> None:
-        """Copy host pages to disk (demotion, or write-through), as many as the disk can take.
-        Disk pages for which `keep` is true (default: protected ones) are never evicted for room.
+        """Copy host pages to disk (demotion, or write-through), as many as the disk and
+        their namespaces' disk quotas can take. Disk pages for which `keep` is true
+        (default: protected ones) are never evicted for room.
 
         A failing disk (the mover's store raises OSError: EIO, ENOSPC) takes none of the
         batch: its slots are freed, the pages counted in the disk's `io_errors`, and the
@@ -101,17 +178,17 @@ class Capacity:
         if not blocks:
             return
         disk = self.index.tiers[Tier.DISK]
-        short = len(blocks) - disk.slots.free_count
-        if short > 0:
-            room = disk.policy.victims(short, keep or self.index.protected(Tier.DISK))
-            self.evict(Tier.DISK, [self.index.blocks[ref] for ref in room])
-        fits = blocks[: disk.slots.free_count]
+        fits: list[Block] = []
         moves = []
-        for block in fits:
-            ns, key = block.ref
-            slot = disk.slots.alloc()
-            parent = block.parent[1] if block.parent else None
-            moves.append((block.copies[Tier.HOST].slot, PageRecord(ns, key, slot, parent)))
+        for namespace, group in self.by_namespace(blocks):
+            victims, allowed = self.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
+            if victims:
+                self.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
+            for block in group[: min(allowed, disk.slots.free_count)]:
+                ns, key = block.ref
+                parent = block.parent[1] if block.parent else None
+                moves.append((block.copies[Tier.HOST].slot, PageRecord(ns, key, disk.slots.alloc(), parent)))
+                fits.append(block)
         try:
             stored = self.mover.store(moves)
         except OSError:
@@ -124,23 +201,40 @@ class Capacity:
             disk.counters.demotions += 1
             disk.counters.bytes_in += self.page_bytes
 
-    def copy_down(self, blocks: list[Block]) -> None:
-        """Give device-only blocks a host copy (a synchronous device -> host copy), so host
-        acquires and prefetches find them there. Raises CapacityError, having changed
-        nothing, when host cannot make room."""
+    def copy_down(self, blocks: list[Block], namespace: str) -> None:
+        """Give device-only blocks of `namespace` a host copy (a synchronous device -> host
+        copy), so host acquires and prefetches find them there. Raises CapacityError,
+        having changed nothing, when host cannot make room."""
         if not blocks:
             return
         self.index.wait_on(blocks, Tier.DEVICE)
         try:
-            self.make_room(Tier.HOST, len(blocks))
+            self.make_room(Tier.HOST, len(blocks), namespace)
         finally:
             self.index.stop_waiting(blocks, Tier.DEVICE)
         self.demote_to_host(blocks)
+
+    def copy_down_each(self, blocks: list[Block]) -> None:
+        """Give device-only blocks a host copy, each namespace's batch all or none, as far as
+        host and the quotas allow; the rest keep only their device copy."""
+        down: list[Block] = []
+        try:
+            for namespace, group in self.by_namespace(blocks):
+                try:
+                    self.copy_down(group, namespace)
+                except CapacityError:
+                    continue  # host is full of leased pages, or the namespace at its quota
+                self.index.wait_on(group, Tier.HOST)  # not room for the next namespace's
+                down += group
+        finally:
+            self.index.stop_waiting(down, Tier.HOST)
 
     def demote_to_host(self, blocks: list[Block]) -> None:
         """Copy device pages to free host slots (the caller made room) and file the copies."""
         host = self.index.tiers[Tier.HOST]
         slots = [host.slots.alloc() for _ in blocks]
+        for b, slot in zip(blocks, slots):
+            self.own_host(slot, b.ref[0])
         try:
             self.mover.demote([(b.copies[Tier.DEVICE].slot, slot) for b, slot in zip(blocks, slots)])
         except BaseException:
@@ -148,7 +242,6 @@ class Capacity:
                 host.slots.free(slot)
             raise
         for b, slot in zip(blocks, slots):  # filed only once the bytes are there
-            self.index.host_owner[slot] = b.ref[0]
             self.index.add_copy(b, Tier.HOST, Copy(slot))
         self.mover.publish_host([b.entry(Tier.HOST) for b in blocks])
         host.counters.demotions += len(blocks)
@@ -177,11 +270,8 @@ class Capacity:
         if Tier.DISK not in tiers:
             return 0
         device_only = [b for b in blocks.values() if set(b.copies) == {Tier.DEVICE}]
-        if device_only:
-            try:  # through host, as far as host can take them
-                self.copy_down(device_only[: tiers[Tier.HOST].slots.capacity])
-            except CapacityError:
-                pass  # host is full of leased pages: the device-only pages are not saved
+        # Through host, as far as host can take them; the rest are not saved.
+        self.copy_down_each(device_only[: tiers[Tier.HOST].slots.capacity])
         host_only = [b for b in blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
         host_only = host_only[: tiers[Tier.DISK].slots.capacity]
         protected = self.index.protected(Tier.DISK)

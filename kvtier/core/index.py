@@ -18,6 +18,7 @@ A copy's protection, one word each:
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import Slot
 from kvtier_client.tiers import Tier
 
+from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory, MissReason
 from kvtier.core.ports import LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, Ref
@@ -34,6 +36,10 @@ MAX_NAMESPACE_BYTES = 255
 #: The owner of a host slot whose last contents are unknown (an adopted arena's free slots):
 #: equal to no namespace, so the slot is zeroed before any writer gets it.
 UNKNOWN_OWNER = "\0unknown"
+# Enum members as plain names for the hot paths: reading one off its class is slow.
+_HOST = Tier.HOST
+_EVICTED, _CORRUPT = MissReason.EVICTED, MissReason.CORRUPT
+_NEVER_STORED, _BEYOND_PREFIX = MissReason.NEVER_STORED, MissReason.BEYOND_PREFIX
 
 
 @dataclass
@@ -112,15 +118,37 @@ class RequestCounters:
     loads_in_flight: int = 0  # host copies whose bytes are on their way
 
 
+def _per_tier() -> dict[Tier, int]:
+    return dict.fromkeys(Tier, 0)
+
+
+@dataclass
+class NamespaceCounters:
+    """One namespace's share of the store, kept as it changes (quotas read it on every
+    allocation)."""
+
+    pages: dict[Tier, int] = field(default_factory=_per_tier)  # cached copies; host: plus slots borrowed for writing
+    hits: dict[Tier, int] = field(default_factory=_per_tier)  # looked-up blocks whose fastest copy was there
+    evictions: dict[Tier, int] = field(default_factory=_per_tier)  # its copies evicted from there
+    lookup_blocks: int = 0
+    miss_blocks: int = 0
+    misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
+
+
 class BlockIndex:
     """Blocks by reference and the tiers' slot states, for one layout."""
 
-    def __init__(self, tiers: Iterable[TierState], *, host_reused: bool = False) -> None:
+    def __init__(self, tiers: Iterable[TierState], *, host_reused: bool = False,
+                 history_size: int = DEFAULT_HISTORY_SIZE) -> None:
         """`host_reused`: the host arena held pages before (adopted after a crash), so no
-        free slot may be assumed clean."""
+        free slot may be assumed clean. `history_size`: departed blocks remembered per
+        namespace."""
         self.tiers: dict[Tier, TierState] = {state.tier: state for state in sorted(tiers, key=lambda s: s.tier)}
         self.blocks: dict[Ref, Block] = {}
         self.requests = RequestCounters()
+        #: Every namespace that has used the store (an entry is made on first use).
+        self.namespaces: defaultdict[str, NamespaceCounters] = defaultdict(NamespaceCounters)
+        self.history = MissHistory(history_size)
         host_pages = self.tiers[Tier.HOST].slots.capacity
         #: The namespace whose data each host slot last held: a slot must be zeroed before
         #: a writer of another namespace gets it.
@@ -128,14 +156,9 @@ class BlockIndex:
 
     def recover_disk(self, records: Iterable[PageRecord]) -> None:
         """File the disk tier's persisted pages, oldest first (the policy's recency)."""
-        state = self.tiers[Tier.DISK]
         for record in sorted(records, key=lambda r: r.seq):
-            ref = (record.namespace, record.key)
             parent = (record.namespace, record.parent) if record.parent else None
-            block = self.blocks[ref] = Block(ref, parent)
-            block.copies[Tier.DISK] = Copy(record.slot, record=record)
-            state.policy.add(ref, parent)
-            state.cached += 1
+            self.add_block((record.namespace, record.key), parent, Tier.DISK, Copy(record.slot, record=record))
 
     def recover_host(self, records: Iterable[PageRecord]) -> None:
         """File the host pages adopted from a crashed daemon's arena, oldest first, next to
@@ -145,15 +168,25 @@ class BlockIndex:
             block = self.blocks.get(ref)
             if block is None:
                 parent = (record.namespace, record.parent) if record.parent else None
-                block = self.blocks[ref] = Block(ref, parent)
-            self.add_copy(block, Tier.HOST, Copy(record.slot))
+                self.add_block(ref, parent, Tier.HOST, Copy(record.slot))
+            else:
+                self.add_copy(block, Tier.HOST, Copy(record.slot))
             self.host_owner[record.slot] = record.namespace
+
+    def add_block(self, ref: Ref, parent: Ref | None, tier: Tier, copy: Copy) -> Block:
+        """File a new block with its first copy; a miss of its key is no longer explained by
+        an earlier departure."""
+        block = self.blocks[ref] = Block(ref, parent)
+        self.add_copy(block, tier, copy)
+        self.history.forget(ref)
+        return block
 
     def add_copy(self, block: Block, tier: Tier, copy: Copy) -> None:
         state = self.tiers[tier]
         block.copies[tier] = copy
         state.policy.add(block.ref, block.parent)
         state.cached += 1
+        self.namespaces[block.ref[0]].pages[tier] += 1
         if copy.loading:
             state.loading.add(block.ref)
 
@@ -179,11 +212,52 @@ class BlockIndex:
         state.policy.remove(block.ref)
         state.slots.free(copy.slot)
         state.cached -= 1
+        self.namespaces[block.ref[0]].pages[tier] -= 1
         state.loading.discard(block.ref)
         state.held.discard(block.ref)
         if not block.copies:
             del self.blocks[block.ref]
         return copy.record
+
+    def evicted(self, blocks: list[Block], tier: Tier, policy: str, requester: str) -> None:
+        """Count copies evicted from `tier` (already dropped) for a request of `requester`,
+        and remember the blocks that left the index with them."""
+        self.tiers[tier].counters.evictions += len(blocks)
+        now = None
+        for b in blocks:
+            namespace = b.ref[0]
+            self.namespaces[namespace].evictions[tier] += 1
+            if not b.copies:
+                now = now or time.monotonic()
+                self.history.record(b.ref, _EVICTED, tier, now, policy, namespace == requester)
+
+    def corrupted(self, block: Block) -> None:
+        """The block's disk copy failed its checksum and was dropped (with its host copy)."""
+        self.tiers[Tier.DISK].counters.corrupt_pages += 1
+        if not block.copies:
+            self.history.record(block.ref, _CORRUPT, Tier.DISK, time.monotonic())
+
+    def count_misses(self, namespace: str, keys: list[bytes]) -> None:
+        """Count why each of `keys` (a lookup's keys after its hit prefix) missed: one look-up
+        in the index, and for a key not there one in the history."""
+        misses = self.namespaces[namespace].misses
+        blocks, gone = self.blocks, self.history.of(namespace)
+        for key in keys:
+            if (namespace, key) in blocks:
+                misses[_BEYOND_PREFIX] += 1
+            else:
+                entry = gone.get(key)
+                misses[_NEVER_STORED if entry is None else entry[0]] += 1
+
+    def start_writing(self, namespace: str, slots: list[Slot]) -> None:
+        """Host slots leased to a writer of `namespace`: they count as its pages."""
+        self.tiers[_HOST].writing.update(slots)
+        self.namespaces[namespace].pages[_HOST] += len(slots)
+
+    def stop_writing(self, namespace: str, slots: list[Slot]) -> None:
+        """A write lease ended; the caller frees its slots or files them as copies."""
+        self.tiers[_HOST].writing.difference_update(slots)
+        self.namespaces[namespace].pages[_HOST] -= len(slots)
 
     def pin(self, block: Block, tier: Tier) -> None:
         copy = block.copies[tier]
@@ -200,7 +274,7 @@ class BlockIndex:
     def protected(self, tier: Tier, *, holds: bool = True) -> Callable[[Ref], bool]:
         """The copies of `tier` the policy must not choose now (with `holds`, held
         prefetched pages too)."""
-        now = time.monotonic()
+        now = time.monotonic() if holds else 0.0
         return lambda ref: self.blocks[ref].copies[tier].is_protected(now, holds=holds)
 
     def is_current(self, block: Block) -> bool:

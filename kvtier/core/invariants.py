@@ -14,6 +14,14 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
 8. Stats add up: per tier, free + writing + cached == capacity, and pinned + loading + held
    + idle == cached with none negative; the tier's set of loading copies is exactly the
    copies marked loading.
+9. Namespaces add up: each namespace's pages in a tier are its copies there (host: plus
+   the slots its write leases hold), and the namespaces' pages sum to the tier's cached
+   (host: plus writing) pages.
+
+Two quota rules hold only under conditions the store cannot see, so they are checked
+apart: `check_quotas_kept` (no namespace above its maximum; true after every step unless
+quotas were lowered since the namespace last allocated) and `check_guarantees_kept` (a
+request of one namespace took no other below its guarantee, given usage before and after).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.leases import LeaseKind
 from kvtier.core.ports import PageRecord
+from kvtier.core.results import StoreUsage
 from kvtier.core.store import BlockStore
 
 
@@ -104,7 +113,51 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
             _require(store.stats().loading == loading, f"store counts {store.stats().loading} loads, host has {loading} loading copies")
         _require(len(state.policy) == len(cached), f"{tier.label} policy tracks {len(state.policy)} pages, tier caches {len(cached)}")
 
+    _check_namespaces(store)
+
     if disk_records is not None and Tier.DISK in store.tiers:
         persisted = {((r.namespace, r.key), r.slot) for r in disk_records}
         indexed = {(ref, b.copies[Tier.DISK].slot) for ref, b in store.blocks.items() if Tier.DISK in b.copies}
         _require(persisted == indexed, f"disk index and LMDB disagree: only in LMDB {sorted(persisted - indexed)[:3]}, only in index {sorted(indexed - persisted)[:3]}")
+
+
+def _check_namespaces(store: BlockStore) -> None:
+    held: Counter[tuple[str, Tier]] = Counter()
+    for (namespace, _), block in store.blocks.items():
+        for tier in block.copies:
+            held[(namespace, tier)] += 1
+    for lease in store.leases.values():
+        if lease.kind is LeaseKind.WRITE:
+            held[(lease.namespace, lease.tier)] += len(lease.slots)
+    counted: Counter[tuple[str, Tier]] = Counter()
+    for usage in store.stats().namespaces:
+        for t in usage.tiers:
+            counted[(usage.namespace, t.tier)] = t.pages
+            _require(t.pages >= 0, f"namespace {usage.namespace!r} counts {t.pages} {t.tier.label} pages")
+    wrong = {key: (counted[key], held[key]) for key in held.keys() | counted.keys() if counted[key] != held[key]}
+    _require(not wrong, f"namespace page counts (counted, held) disagree with the index: {wrong}")
+    for tier, state in store.tiers.items():
+        total = sum(n for (_, t), n in counted.items() if t == tier)
+        expected = state.cached + (len(state.writing) if tier == Tier.HOST else 0)
+        _require(total == expected, f"namespaces hold {total} {tier.label} pages, the tier {expected}")
+
+
+def check_quotas_kept(store: BlockStore) -> None:
+    """No namespace holds more pages of a tier than its maximum."""
+    for usage in store.stats().namespaces:
+        for t in usage.tiers:
+            _require(not t.max_pages or t.pages <= t.max_pages,
+                     f"namespace {usage.namespace!r} holds {t.pages} {t.tier.label} pages, above its maximum {t.max_pages}")
+
+
+def check_guarantees_kept(before: StoreUsage, after: StoreUsage, requester: str) -> None:
+    """A request of `requester` took no other namespace below its guarantee (one already
+    below it lost nothing)."""
+    was = {(u.namespace, t.tier): t.pages for u in before.namespaces for t in u.tiers}
+    for usage in after.namespaces:
+        if usage.namespace == requester:
+            continue
+        for t in usage.tiers:
+            floor = min(was.get((usage.namespace, t.tier), 0), t.guaranteed_pages)
+            _require(t.pages >= floor, f"a request of {requester!r} took namespace {usage.namespace!r} to {t.pages} "
+                                       f"{t.tier.label} pages, below {floor} (its guarantee {t.guaranteed_pages})")

@@ -1,11 +1,12 @@
 """Loads and promotions: bringing cached pages up to the tier a request reads them from.
 
-    start(blocks, HOST)   one loading host copy per disk-only block (one per page however
+    start(ns, blocks, HOST)  one loading host copy per disk-only block (one per page however
                           many callers: a second request joins the load in flight), read by
-                          the mover's I/O workers; device-only blocks are copied down first
+                          the mover's I/O workers; device-only blocks are copied down first;
+                          room is made for namespace `ns` (its quota)
     finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one
     wait_ready(blocks)    the lock released, until the pages are loaded or time is up
-    promote(blocks)       host -> device in one copy-engine submission; returns at once
+    promote(ns, blocks)   host -> device in one copy-engine submission; returns at once
                           with the transfer the engine waits on; `finish_promote` when it lands
 
 Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
@@ -38,9 +39,11 @@ class Loads:
         self.loaded = threading.Condition(lock)
 
     # -- into host ------------------------------------------------------------
-    def start(self, session: SessionId, blocks: list[Block], tier: Tier, kind: LoadKind, priority: int = 0) -> None:
-        """Register one waiter on each block's copy in `tier`, starting a load for each block
-        that has none (joining a load in flight instead: one transfer per page).
+    def start(self, session: SessionId, namespace: str, blocks: list[Block], tier: Tier, kind: LoadKind,
+              priority: int = 0) -> None:
+        """Register one waiter on each block's copy in `tier` (blocks of `namespace`), starting
+        a load for each block that has none (joining a load in flight instead: one transfer
+        per page).
 
         Raises CapacityError when room for the loads cannot be made, with no waiter or load
         left behind; device-only pages may have been given a host copy by then (a copy
@@ -54,7 +57,7 @@ class Loads:
         index.wait_on(present, tier)
         down = [b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies]
         try:
-            self.capacity.copy_down(down)
+            self.capacity.copy_down(down, namespace)
         except CapacityError:
             index.stop_waiting(present, tier)
             raise
@@ -63,7 +66,7 @@ class Loads:
         missing = [b for b in blocks if tier not in b.copies]
         index.wait_on(missing, Tier.DISK)
         try:
-            self.capacity.make_room(tier, len(missing), hint=kind is LoadKind.PREFETCH)
+            self.capacity.make_room(tier, len(missing), namespace, hint=kind is LoadKind.PREFETCH)
         except CapacityError:
             index.stop_waiting(present, tier)
             raise
@@ -77,8 +80,8 @@ class Loads:
         for b in missing:
             slot = state.slots.alloc()
             # The slot holds this namespace's bytes from the read on, even if the page then
-            # fails its checksum: a later writer of another namespace must get it zeroed.
-            index.host_owner[slot] = b.ref[0]
+            # fails its checksum.
+            self.capacity.own_host(slot, namespace)
             source = b.copies[Tier.DISK]
             source.readers += 1  # the disk slot must not be reused while we read it
             job = LoadJob(source.record, slot, kind, session, self.finish_load, priority)
@@ -105,9 +108,9 @@ class Loads:
             else:
                 # Waiting acquires see the copy gone and stop their ready prefix before it.
                 copy.waiters = 0
-                index.tiers[Tier.DISK].counters.corrupt_pages += 1
                 self.capacity.drop([block], Tier.HOST)
                 self.capacity.drop([block], Tier.DISK)
+                index.corrupted(block)
             self.loaded.notify_all()
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
@@ -175,10 +178,10 @@ class Loads:
         )
 
     # -- into device ----------------------------------------------------------
-    def promote(self, blocks: list[Block]) -> Transfer | None:
-        """Copy the blocks without a device copy from host (loaded, protected by our
-        waiters) to the device in one submission. Returns the transfer after which every
-        one of `blocks` is readable on the device, None if all already are.
+    def promote(self, namespace: str, blocks: list[Block]) -> Transfer | None:
+        """Copy the blocks (of `namespace`) without a device copy from host (loaded,
+        protected by our waiters) to the device in one submission. Returns the transfer
+        after which every one of `blocks` is readable on the device, None if all already are.
 
         Raises CapacityError, having changed nothing, when the device cannot make room.
         """
@@ -191,7 +194,7 @@ class Loads:
         # Copies that arrived while we waited (another acquire's) must not be chosen for room.
         self.index.wait_on(present, Tier.DEVICE)
         try:
-            self.capacity.make_room(Tier.DEVICE, len(missing))
+            self.capacity.make_room(Tier.DEVICE, len(missing), namespace)
         finally:
             self.index.stop_waiting(present, Tier.DEVICE)
         pairs = []

@@ -5,7 +5,7 @@ The core decides which page goes where; mechanism moves the bytes. The core call
 moves real bytes between the arenas and the disk, `kvtier.core.bookkeeping.BookkeepingMover`
 only keeps the books (trace replay, core tests).
 
-    clear_host       zero a host slot before another namespace writes it      synchronous
+    give_host        a host slot is about to hold another namespace's bytes   synchronous
     publish_host / unpublish_host   host pages in or out of the host tier's
                      persistent slot table (warm restart)                     synchronous
     store / forget   host slots -> disk slots; disk pages out of the index     synchronous
@@ -75,8 +75,10 @@ class Transfer(Protocol):
 
 
 class PageMover(Protocol):
-    def clear_host(self, slot: Slot) -> None:
-        """Zero a host slot before it goes to a writer of another namespace."""
+    def give_host(self, slot: Slot, namespace: str) -> None:
+        """Host slot `slot` is about to hold `namespace`'s bytes (a write lease, a load, a
+        demotion), and held another namespace's (or nothing) before: nothing of the previous
+        holder may show through it."""
 
     def publish_host(self, records: Sequence[PageRecord]) -> None:
         """Record host pages whose bytes are final (committed, loaded, demoted) in the host

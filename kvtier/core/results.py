@@ -2,7 +2,9 @@
 from the client's types (the client has its own `Lease`, `LookupResult`, `TierStats`...)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.tiers import Tier
@@ -72,6 +74,33 @@ class TierUsage:
 
 
 @dataclass(frozen=True)
+class NamespaceTierUsage:
+    """One namespace's share of one tier; quota fields are 0 where it has none."""
+
+    tier: Tier
+    pages: int  # cached copies; host: plus pages borrowed for writing
+    max_pages: int
+    guaranteed_pages: int
+    hits: int  # looked-up blocks whose fastest copy was here
+    evictions: int  # its copies evicted from this tier
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace's use of the store. `misses`: missed blocks by reason (the values of
+    kvtier.core.history.MissReason: never_stored, evicted, corrupt, beyond_prefix)."""
+
+    namespace: str
+    tiers: tuple[NamespaceTierUsage, ...]
+    lookup_blocks: int
+    miss_blocks: int
+    misses: Mapping[str, int]
+
+    def tier(self, tier: Tier) -> NamespaceTierUsage | None:
+        return next((t for t in self.tiers if t.tier == tier), None)
+
+
+@dataclass(frozen=True)
 class StoreUsage:
     tiers: tuple[TierUsage, ...]
     lookup_blocks: int
@@ -81,6 +110,39 @@ class StoreUsage:
     acquired_pages: int = 0  # pages asked for by acquires
     ready_on_arrival: int = 0  # of those, already in the target tier and loaded
     loading: int = 0  # host pages whose load is in flight or queued
+    namespaces: tuple[NamespaceUsage, ...] = ()  # every namespace that has used the store
 
     def tier(self, tier: Tier) -> TierUsage | None:
         return next((t for t in self.tiers if t.tier == tier), None)
+
+    def namespace(self, namespace: str) -> NamespaceUsage | None:
+        return next((n for n in self.namespaces if n.namespace == namespace), None)
+
+
+class BlockState(Enum):
+    """What `explain` finds for one key (the values match kvtier.core.history.MissReason)."""
+
+    CACHED = "cached"  # in the lookup's hit prefix
+    NEVER_STORED = "never_stored"  # no record of it (or too old to remember)
+    EVICTED = "evicted"  # its last copy was evicted
+    CORRUPT = "corrupt"  # its last copy failed its checksum and was dropped
+    BEYOND_PREFIX = "beyond_prefix"  # cached, but after a key that is not
+
+
+@dataclass(frozen=True)
+class BlockStatus:
+    """One key of an `explain`. `tier`: the fastest tier holding it (CACHED, BEYOND_PREFIX)
+    or the tier its last copy left (EVICTED, CORRUPT); the rest describe a departure."""
+
+    index: int
+    state: BlockState
+    tier: Tier | None
+    seconds_ago: float = 0.0
+    policy: str = ""  # EVICTED: the eviction policy that chose it
+    own_pressure: bool = False  # EVICTED: to make room for its own namespace
+
+
+@dataclass(frozen=True)
+class Explanation:
+    hit_blocks: int
+    blocks: tuple[BlockStatus, ...]

@@ -15,6 +15,8 @@ through the parts, each a module of its own:
     leases.py    leases and the sessions holding them (LeaseTable)
     capacity.py  make room: the policy proposes victims, evictions demote or drop
     loads.py     disk -> host loads, host -> device promotions, waiting for them
+    quotas.py    per-namespace quotas, and the victim picker that keeps their guarantees
+    history.py   blocks that left the index, so a miss can say why
     results.py   what the calls return (PrefixMatch, WriteGrant, ReadGrant, ...)
     ports.py     what the core needs from mechanism (PageMover, LoadJob, PageRecord, Transfer)
     slots.py     a tier's free slots (SlotAllocator)
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import wraps
 
@@ -52,11 +54,18 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity
-from kvtier.core.index import Block, BlockIndex, Copy, TierCounters, TierState, check_keys, check_namespace
+from kvtier.core.history import DEFAULT_HISTORY_SIZE
+from kvtier.core.index import (
+    Block, BlockIndex, Copy, NamespaceCounters, TierCounters, TierState, check_keys, check_namespace,
+)
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
 from kvtier.core.ports import LoadKind, PageMover, PageRecord
-from kvtier.core.results import CommitOutcome, PrefixMatch, ReadGrant, StoreUsage, TierUsage, WriteGrant
+from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
+from kvtier.core.results import (
+    BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
+    StoreUsage, TierUsage, WriteGrant,
+)
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
 
@@ -76,7 +85,8 @@ class BlockStore:
     `policy` makes one eviction policy object per tier (a policy class will do).
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
-    that arena's other slots may hold anyone's bytes).
+    that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
+    the index remembered per namespace, to explain misses.
     """
 
     def __init__(
@@ -93,6 +103,7 @@ class BlockStore:
         recovered: Iterable[PageRecord] = (),
         recovered_host: Iterable[PageRecord] = (),
         host_reused: bool = False,
+        history_size: int = DEFAULT_HISTORY_SIZE,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
@@ -106,7 +117,7 @@ class BlockStore:
         if disk_pages > 0:
             tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy()))
         self._lock = threading.RLock()
-        self._index = BlockIndex(tiers, host_reused=host_reused)
+        self._index = BlockIndex(tiers, host_reused=host_reused, history_size=history_size)
         if disk_pages > 0:
             self._index.recover_disk(records)
         self._index.recover_host(adopted)
@@ -135,21 +146,54 @@ class BlockStore:
     # -- queries --------------------------------------------------------------
     @_locked
     def lookup(self, namespace: str, keys: list[bytes]) -> PrefixMatch:
-        """The longest cached prefix of `keys` and the fastest tier of each of its blocks."""
+        """The longest cached prefix of `keys` and the fastest tier of each of its blocks;
+        why each key after it missed is counted for the namespace."""
         check_namespace(namespace)
         check_keys(keys)
+        index = self._index
         tiers: list[Tier] = []
         for key in keys:
-            block = self._index.blocks.get((namespace, key))
+            block = index.blocks.get((namespace, key))
             if block is None:
                 break
             tiers.append(block.best_tier)
+        usage = index.namespaces[namespace]
         for tier in tiers:
-            self._index.tiers[tier].counters.hits += 1
-        requests = self._index.requests
+            index.tiers[tier].counters.hits += 1
+            usage.hits[tier] += 1
+        missed = len(keys) - len(tiers)
+        requests = index.requests
         requests.lookup_blocks += len(keys)
-        requests.miss_blocks += len(keys) - len(tiers)
+        requests.miss_blocks += missed
+        usage.lookup_blocks += len(keys)
+        usage.miss_blocks += missed
+        if missed:
+            index.count_misses(namespace, keys[len(tiers) :])
         return PrefixMatch(len(tiers), tuple(tiers))
+
+    @_locked
+    def explain(self, namespace: str, keys: list[bytes]) -> Explanation:
+        """What a lookup of `keys` would find, key by key, and for a key not found whether
+        it is cached beyond the prefix, left the index (when, why, chosen by which policy)
+        or was never stored. Changes no counter and no recency."""
+        check_namespace(namespace)
+        check_keys(keys)
+        index, now = self._index, time.monotonic()
+        hit = 0
+        blocks = []
+        for i, key in enumerate(keys):
+            block = index.blocks.get((namespace, key))
+            if block is not None and hit == i:
+                hit += 1
+                blocks.append(BlockStatus(i, BlockState.CACHED, block.best_tier))
+            elif block is not None:
+                blocks.append(BlockStatus(i, BlockState.BEYOND_PREFIX, block.best_tier))
+            elif (departure := index.history.departure(namespace, key)) is not None:
+                blocks.append(BlockStatus(i, BlockState(departure.reason.value), departure.tier,
+                                          now - departure.when, departure.policy, departure.own_pressure))
+            else:
+                blocks.append(BlockStatus(i, BlockState.NEVER_STORED, None))
+        return Explanation(hit, tuple(blocks))
 
     @_locked
     def stats(self) -> StoreUsage:
@@ -160,10 +204,30 @@ class BlockStore:
             for state in self._index.tiers.values()
         ]
         r = self._index.requests
+        namespaces = self._index.namespaces
+        by_namespace = tuple(self._namespace_usage(ns, namespaces[ns]) for ns in sorted(namespaces))
         return StoreUsage(
             tuple(tiers), r.lookup_blocks, r.miss_blocks, len(self._leases.leases), len(self._leases.sessions),
-            r.acquired_pages, r.ready_on_arrival, r.loads_in_flight,
+            r.acquired_pages, r.ready_on_arrival, r.loads_in_flight, by_namespace,
         )
+
+    def _namespace_usage(self, namespace: str, counters: NamespaceCounters) -> NamespaceUsage:
+        quota = self._capacity.quotas.get(namespace, NO_QUOTA)
+        tiers = tuple(
+            NamespaceTierUsage(tier, counters.pages[tier], quota.max_pages(tier), quota.guaranteed_pages(tier),
+                               counters.hits[tier], counters.evictions[tier])
+            for tier in self._index.tiers
+        )
+        misses = {reason.value: n for reason, n in counters.misses.items()}
+        return NamespaceUsage(namespace, tiers, counters.lookup_blocks, counters.miss_blocks, misses)
+
+    @_locked
+    def set_quotas(self, quotas: Mapping[str, Quota]) -> None:
+        """Replace every namespace's quota (a namespace not in `quotas` has none). Raises
+        ValueError, keeping the old quotas, if they cannot all be kept in this store's
+        tiers. Evicts nothing now: they apply from each namespace's next allocation."""
+        check_quotas(quotas, {tier: state.slots.capacity for tier, state in self._index.tiers.items()})
+        self._capacity.quotas = {ns: quota for ns, quota in quotas.items() if quota != NO_QUOTA}
 
     @_locked
     def session_leases(self, session: SessionId) -> int:
@@ -182,9 +246,9 @@ class BlockStore:
             raise InvalidArgument(
                 f"borrow of {n} pages exceeds the host tier's {host.slots.capacity} pages; borrow in smaller batches"
             )
-        self._capacity.make_room(Tier.HOST, n)
+        self._capacity.make_room(Tier.HOST, n, namespace)
         slots = self._capacity.take_host_slots(namespace, n)
-        host.writing.update(slots)
+        self._index.start_writing(namespace, slots)
         lease = self._leases.open(session, namespace, LeaseKind.WRITE, Tier.HOST, slots)
         return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots))
 
@@ -217,9 +281,9 @@ class BlockStore:
         prev: Ref | None = (ns, parent) if parent is not None else None
         duplicates: list[int] = []
         fresh: list[Block] = []
+        index.stop_writing(ns, lease.slots)
         for i, (slot, key) in enumerate(zip(lease.slots, keys)):
             ref = (ns, key)
-            host.writing.discard(slot)
             existing = index.blocks.get(ref)
             if existing is not None:
                 duplicates.append(i)
@@ -227,12 +291,9 @@ class BlockStore:
                 if Tier.HOST in existing.copies:
                     host.policy.touch(ref)
             else:
-                block = index.blocks[ref] = Block(ref, prev)
-                index.add_copy(block, Tier.HOST, Copy(slot))
-                fresh.append(block)
+                fresh.append(index.add_block(ref, prev, Tier.HOST, Copy(slot)))
             prev = ref
         for slot in lease.slots[len(keys) :]:
-            host.writing.discard(slot)
             host.slots.free(slot)
         self._leases.close(lease)
         self._mover.publish_host([b.entry(Tier.HOST) for b in fresh])
@@ -281,11 +342,14 @@ class BlockStore:
         index.wait_on(on_device, Tier.DEVICE)
         via_host = [b for b in blocks if tier == Tier.HOST or Tier.DEVICE not in b.copies]
         try:
-            loads.start(session, via_host, Tier.HOST, LoadKind.ACQUIRE)
+            loads.start(session, namespace, via_host, Tier.HOST, LoadKind.ACQUIRE)
         except CapacityError:
             index.stop_waiting(on_device, Tier.DEVICE)
             raise
-        ready_on_arrival = len(on_device) + sum(1 for b in via_host if not b.copies[Tier.HOST].loading)
+        # (A load that failed at once, its copy dropped, was not ready.)
+        ready_on_arrival = len(on_device) + sum(
+            1 for b in via_host if Tier.HOST in b.copies and not b.copies[Tier.HOST].loading
+        )
         index.requests.acquired_pages += len(blocks)
         index.requests.ready_on_arrival += ready_on_arrival
         host_ready = loads.wait_ready(via_host, timeout)
@@ -301,7 +365,7 @@ class BlockStore:
             if timeout is None and ready < len(blocks):
                 loads.raise_not_loaded(keys, blocks, ready)
             if tier == Tier.DEVICE:
-                transfer = loads.promote(blocks[:ready])
+                transfer = loads.promote(namespace, blocks[:ready])
         finally:
             index.stop_waiting([b for b in via_host if index.is_current(b)], Tier.HOST)
             index.stop_waiting(on_device, Tier.DEVICE)
@@ -342,7 +406,7 @@ class BlockStore:
                 if room == 0:
                     break
                 try:
-                    self._loads.start(session, [block], tier, LoadKind.PREFETCH, priority)
+                    self._loads.start(session, namespace, [block], tier, LoadKind.PREFETCH, priority)
                 except CapacityError:
                     break
                 block.copies[tier].waiters -= 1  # nobody waits: the hold protects it once loaded
@@ -405,8 +469,8 @@ class BlockStore:
     def _release(self, lease: LeaseRecord) -> None:
         state = self._index.tiers[lease.tier]
         if lease.kind is LeaseKind.WRITE:
+            self._index.stop_writing(lease.namespace, lease.slots)
             for slot in lease.slots:
-                state.writing.discard(slot)
                 state.slots.free(slot)
         else:
             for ref in lease.refs:

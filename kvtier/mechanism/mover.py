@@ -29,8 +29,8 @@ class ArenaMover:
         self.reader = reader
         self.copies = copies
 
-    def clear_host(self, slot: Slot) -> None:
-        self.host.clear(slot)
+    def give_host(self, slot: Slot, namespace: str) -> None:
+        self.host.give(slot, namespace)
 
     def _disk(self) -> DiskTier:
         if self.disk is None:

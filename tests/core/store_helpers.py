@@ -45,8 +45,17 @@ def snapshot(pool: Pool) -> dict:
         # The full eviction order of each tier, as its policy would choose now.
         "order": {t: s.policy.victims(len(s.policy), lambda ref: False) for t, s in store.tiers.items()},
         "disk_index": set(pool.disk.records()) if pool.disk else None,
-        "host_bytes": hashlib.sha256(b"".join(bytes(pool.host.view(s)) for s in range(pool.host.pages))).hexdigest(),
+        "host_bytes": [host_slot(pool, s) for s in range(pool.host.pages)],
     }
+
+
+def host_slot(pool: Pool, slot: int) -> tuple[str, str] | None:
+    """Which namespace's memory a host slot is in, and a hash of its bytes (None: never given)."""
+    try:
+        memory = pool.host.holder(slot)
+    except RuntimeError:
+        return None
+    return memory.namespace, hashlib.sha256(pool.host.view(slot)).hexdigest()
 
 
 def tier_of(pool: Pool, namespace: str, key: bytes) -> set[Tier]:

@@ -1,4 +1,4 @@
-"""BlockStore through a real Pool: a real shared-memory arena and a real LMDB disk tier.
+"""BlockStore through a real Pool: real host memory files and a real LMDB disk tier.
 
 Scenario tests: each walks through steps with one comment per step, checking the store's
 invariants (and the disk index) after every one.
@@ -11,7 +11,6 @@ import pytest
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound
 from kvtier_client.keys import block_keys
 from kvtier_client.layout import PageLayout
-from kvtier_client.shm import SHM_DIR
 from kvtier_client.tiers import Tier
 
 from kvtier.core.store import PrefixMatch
@@ -356,7 +355,6 @@ def test_restart_recovers_host_pages_through_disk(make_pool, policy):
     assert list(pool.disk.records()) == []  # write-back: nothing on disk yet
     # A clean close persists the host-only pages.
     make_pool.close(pool)
-    assert not os.path.exists(os.path.join(SHM_DIR, pool.host.name))
     # A new pool on the same directory finds them on disk, parents and all.
     again = make_pool(host_pages=6, disk_pages=8, policy=policy, disk_dir=disk_dir)
     check(again)
@@ -552,14 +550,17 @@ def test_acquire_larger_than_the_tier_is_invalid(make_pool):
     assert snapshot(pool) == before
 
 
-def test_closing_pools_leaves_dev_shm_clean(make_pool, shm_prefix):
-    # Two layouts, two arenas; both gone after close, with or without a disk tier.
+def test_closing_pools_frees_their_host_memory(make_pool, shm_prefix):
+    # Two layouts, two arenas, a memory file per namespace; host memory never has a path,
+    # and closing the pools closes every file.
     first = make_pool(host_pages=2, disk_pages=2)
     second = make_pool(host_pages=2, layout=PageLayout(layers=2, kv_heads=1, head_dim=64, block_tokens=16))
     put(first, keys(1))
+    put(first, keys(1), namespace="B")
     put(second, keys(1))
-    assert sorted(n for n in os.listdir(SHM_DIR) if n.startswith(shm_prefix)) == sorted(
-        [first.host.name, second.host.name]
-    )
+    files = [first.host.file_for(NS), first.host.file_for("B"), second.host.file_for(NS)]
+    assert [n for n in os.listdir("/dev/shm") if shm_prefix in n] == []
     make_pool.close_all()
-    assert [n for n in os.listdir(SHM_DIR) if n.startswith(shm_prefix)] == []
+    for fd in files:
+        with pytest.raises(OSError):
+            os.fstat(fd)

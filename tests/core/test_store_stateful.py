@@ -1,12 +1,15 @@
-"""A hypothesis state machine over a real Pool (shared-memory arena + LMDB disk tier).
+"""A hypothesis state machine over a real Pool (host memory files + LMDB disk tier).
 
 Random sequences of borrow / commit / lookup / acquire / prefetch / release / end_session,
 with caller mistakes (too many pages, wrong session, released leases, uncached keys,
-duplicate keys) and injected failures (a rotten byte in a disk page on disk). After every
-step: the store's invariants hold, the disk index agrees, every page a read lease holds
-and every cached host and disk page holds the bytes committed under its key, and a
-borrowed page never carries another namespace's bytes. A refused request must leave the
-whole state (snapshot) unchanged; only a checksum failure may change it (it drops pages).
+duplicate keys, quotas that cannot be kept) and injected failures (a rotten byte in a disk
+page on disk), over three namespaces with random quotas. After every step: the store's
+invariants hold, the disk index agrees, every page a read lease holds and every cached host
+and disk page holds the bytes committed under its key, a borrowed page never carries
+another namespace's bytes, no namespace is above its maximum, and a request of one
+namespace took no other below its guarantee. A lookup counts each miss under the reason
+`explain` gives. A refused request must leave the whole state (snapshot) unchanged; only a
+checksum failure may change it (it drops pages).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 from hypothesis import HealthCheck, event, settings
@@ -23,21 +28,30 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound
 from kvtier_client.layout import PageLayout
-from kvtier_client.shm import SHM_DIR
 from kvtier_client.tiers import Tier
 
+from kvtier.core import BlockState, MissReason, Quota
+from kvtier.core.invariants import check_guarantees_kept, check_quotas_kept
 from kvtier.server.pools import Pool, PoolConfig
 
 from store_helpers import check, read_page, snapshot, write_page
 
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages
 HOST_PAGES, DISK_PAGES = 3, 5
-NAMESPACES = ("A", "B")
+NAMESPACES = ("A", "B", "C")
 SESSIONS = ("s1", "s2")
 KEYS = [bytes([i]) * 8 for i in range(1, 7)]  # a small universe, so keys collide often
 FP = 64  # bytes of a page that identify what was written there; corruption happens after them
+SHM_DIR = "/dev/shm"  # host memory must never show up here
 
 keys_st = st.lists(st.sampled_from(KEYS), min_size=0, max_size=5)
+#: Guarantees of at most one page each always fit (3 namespaces, 3 host pages).
+quota_st = st.builds(
+    lambda max_host, max_disk, g_host, g_disk: Quota(
+        max_host, max_disk, min(g_host, max_host) if max_host else g_host, min(g_disk, max_disk) if max_disk else g_disk
+    ),
+    st.integers(0, HOST_PAGES), st.integers(0, DISK_PAGES), st.integers(0, 1), st.integers(0, 1),
+)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -54,8 +68,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.version = itertools.count()
 
     # -- set-up and teardown --------------------------------------------------
-    @initialize(policy=st.sampled_from(["lru", "prefix"]), write_through=st.booleans())
-    def start(self, policy, write_through):
+    @initialize(policy=st.sampled_from(["lru", "prefix"]), write_through=st.booleans(),
+                quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)))
+    def start(self, policy, write_through, quotas):
         self.config = PoolConfig(
             host_bytes=HOST_PAGES * LAYOUT.slot_bytes,
             disk_bytes=DISK_PAGES * LAYOUT.slot_bytes,
@@ -66,12 +81,14 @@ class StoreMachine(RuleBasedStateMachine):
             arena_prefix=self.prefix,
         )
         self.pool = Pool(LAYOUT, self.config)
+        self.quotas = quotas
+        self.store.set_quotas(quotas)
 
     def teardown(self) -> None:
         try:
             if self.pool is not None:
                 self.pool.close()
-                assert not [n for n in os.listdir(SHM_DIR) if n.startswith(self.prefix)]
+                assert not [n for n in os.listdir(SHM_DIR) if self.prefix in n]
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -96,6 +113,14 @@ class StoreMachine(RuleBasedStateMachine):
             return None
         raise AssertionError(f"expected one of {errors}, got {result!r}")
 
+    @contextmanager
+    def request_of(self, namespace: str):
+        """The steps inside are one namespace's request: no other may lose pages below its
+        guarantee."""
+        before = self.store.stats()
+        yield
+        check_guarantees_kept(before, self.store.stats(), namespace)
+
     def live(self, kind: str | None = None) -> list[int]:
         return sorted(i for i, lease in self.leases.items() if kind is None or lease[2] == kind)
 
@@ -111,9 +136,10 @@ class StoreMachine(RuleBasedStateMachine):
             return
         before = snapshot(self.pool)
         try:
-            lease = self.store.borrow(session, namespace, n)
-        except CapacityError:
-            event("borrow: capacity error")
+            with self.request_of(namespace):
+                lease = self.store.borrow(session, namespace, n)
+        except CapacityError as exc:
+            event("borrow: quota" if "quota" in str(exc) else "borrow: capacity error")
             assert snapshot(self.pool) == before
             return
         for slot in lease.slots:
@@ -133,7 +159,8 @@ class StoreMachine(RuleBasedStateMachine):
         keys = KEYS[start : start + n]
         parent = KEYS[start - 1] if start else None
         try:
-            lease = self.store.borrow(session, namespace, len(keys))
+            with self.request_of(namespace):
+                lease = self.store.borrow(session, namespace, len(keys))
         except CapacityError:
             return
         self.leases[lease.lease_id] = (session, namespace, "write", lease.slots, ())
@@ -143,7 +170,8 @@ class StoreMachine(RuleBasedStateMachine):
             write_page(self.pool, slot, data)
             if (namespace, key) not in cached_before:
                 self.content[(namespace, key)] = data
-        result = self.store.commit(session, lease.lease_id, keys, parent)
+        with self.request_of(namespace):
+            result = self.store.commit(session, lease.lease_id, keys, parent)
         assert result.duplicates == tuple(i for i, k in enumerate(keys) if (namespace, k) in cached_before)
         if result.duplicates:
             event("commit: duplicates")
@@ -168,7 +196,8 @@ class StoreMachine(RuleBasedStateMachine):
             written.append(self.fresh_bytes(namespace, key))
             write_page(self.pool, slot, written[-1])
         cached_before = set(self.store.blocks)
-        result = self.store.commit(session, lease_id, keys, parent)
+        with self.request_of(namespace):
+            result = self.store.commit(session, lease_id, keys, parent)
         for i, key in enumerate(keys):
             ref = (namespace, key)
             seen = ref in cached_before or key in keys[:i]
@@ -182,11 +211,32 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st)
     def lookup(self, namespace, keys):
+        explained = self.store.explain(namespace, keys)
+        counted = self.misses(namespace)
         result = self.store.lookup(namespace, keys)
         for i, key in enumerate(keys[: result.hit_blocks]):
             assert result.tiers[i] == min(self.store.blocks[(namespace, key)].copies)
         if result.hit_blocks < len(keys):
             assert (namespace, keys[result.hit_blocks]) not in self.store.blocks
+        # Each miss is counted under the reason explain gives, and explain agrees with the index.
+        assert explained.hit_blocks == result.hit_blocks
+        reasons = Counter(b.state.value for b in explained.blocks[result.hit_blocks :])
+        assert Counter(self.misses(namespace)) - Counter(counted) == reasons
+        corrupted = {(ns, key) for ns, key, _ in self.corrupt}
+        for status, key in zip(explained.blocks, keys):
+            ref = (namespace, key)
+            block = self.store.blocks.get(ref)
+            assert (block is not None) == (status.state in (BlockState.CACHED, BlockState.BEYOND_PREFIX))
+            if block is not None:
+                assert status.tier == min(block.copies)
+            elif status.state is not BlockState.NEVER_STORED:
+                assert ref in self.content and status.seconds_ago >= 0
+                assert status.state is BlockState.EVICTED or ref in corrupted
+                event(f"lookup: {status.state.value}")
+
+    def misses(self, namespace: str) -> dict[str, int]:
+        usage = self.store.stats().namespace(namespace)
+        return dict(usage.misses) if usage else {r.value: 0 for r in MissReason}
 
     @rule(
         session=st.sampled_from(SESSIONS),
@@ -205,7 +255,8 @@ class StoreMachine(RuleBasedStateMachine):
         before = snapshot(self.pool)
         cached = all((namespace, k) in self.store.blocks for k in keys)
         try:
-            lease = self.store.acquire(session, namespace, keys)
+            with self.request_of(namespace):
+                lease = self.store.acquire(session, namespace, keys)
         except NotFound as exc:
             if "checksum" in str(exc):
                 event("acquire: checksum failure")
@@ -248,9 +299,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st)
     def prefetch(self, namespace, keys):
-        loaded = self.store.prefetch(SESSIONS[0], namespace, keys)
-        assert 0 <= loaded <= len(keys)
-        assert self.store.wait_loaded(10), "prefetch loads did not finish"
+        with self.request_of(namespace):
+            loaded = self.store.prefetch(SESSIONS[0], namespace, keys)
+            assert 0 <= loaded <= len(keys)
+            assert self.store.wait_loaded(10), "prefetch loads did not finish"
         if loaded:
             event("prefetch: loaded")
 
@@ -301,14 +353,27 @@ class StoreMachine(RuleBasedStateMachine):
         pages saved at close, as many as fit) comes back with its bytes; leases do not."""
         before = set(self.store.blocks)
         self.pool.close()
-        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(self.prefix)]
+        assert not [n for n in os.listdir(SHM_DIR) if self.prefix in n]
         self.pool = Pool(LAYOUT, self.config)
+        self.store.set_quotas(self.quotas)
         after = set(self.store.blocks)
         assert after <= before
-        assert len(after) == min(DISK_PAGES, len(before))
+        if any(q.max_disk_pages or q.guaranteed_disk_pages for q in self.quotas.values()):
+            assert len(after) <= min(DISK_PAGES, len(before))  # a quota may leave disk room unused
+        else:
+            assert len(after) == min(DISK_PAGES, len(before))
         assert all(set(b.copies) == {Tier.DISK} for b in self.store.blocks.values())
         self.leases.clear()
         self.ended.clear()  # lease ids start again at 1 in the new store
+
+    @rule(namespace=st.sampled_from(NAMESPACES), over=st.sampled_from(["guarantee above max", "guarantees above capacity"]))
+    def set_bad_quotas(self, namespace, over):
+        """Quotas the store cannot keep are refused; the old ones stay."""
+        bad = (
+            {namespace: Quota(max_host_pages=1, guaranteed_host_pages=2)} if over == "guarantee above max"
+            else {ns: Quota(guaranteed_disk_pages=DISK_PAGES) for ns in NAMESPACES}
+        )
+        self.refused(lambda: self.store.set_quotas(bad), ValueError)
 
     def end(self, lease_id: int) -> None:
         session = self.leases.pop(lease_id)[0]
@@ -320,6 +385,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.pool is None:
             return
         check(self.pool)
+        check_quotas_kept(self.store)
         assert set(self.store.leases) == set(self.leases)
 
     @invariant()
