@@ -77,7 +77,7 @@ class Capacity:
         if allowed < n:
             raise CapacityError(self.quota_message(tier, n, namespace))
         if free + len(victims) < n:
-            rest = "the rest leased, in use or guaranteed to other namespaces" if self.quotas else "the rest leased or in use"
+            rest = "the rest leased or in use" + (" or guaranteed to other namespaces" if self.quotas else "")
             raise CapacityError(
                 f"{tier.label} tier is full: {n} pages needed, {free} free, "
                 f"{len(victims)} evictable, {rest}; release leases or give the tier more capacity"
