@@ -228,7 +228,8 @@ class BlockIndex:
             namespace = b.ref[0]
             self.namespaces[namespace].evictions[tier] += 1
             if not b.copies:
-                now = now or time.monotonic()
+                if now is None:
+                    now = time.monotonic()
                 self.history.record(b.ref, _EVICTED, tier, now, policy, namespace == requester)
 
     def corrupted(self, block: Block) -> None:
@@ -246,7 +247,7 @@ class BlockIndex:
             if (namespace, key) in blocks:
                 misses[_BEYOND_PREFIX] += 1
             else:
-                entry = gone.get(key)
+                entry = gone.get(key)  # its reason's value: equal to the MissReason
                 misses[_NEVER_STORED if entry is None else entry[0]] += 1
 
     def start_writing(self, namespace: str, slots: list[Slot]) -> None:
