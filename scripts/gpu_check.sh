@@ -25,6 +25,9 @@ fi
 # CuPy compiles kernels with NVRTC: fail here, clearly, if it is missing.
 "$PYTHON" -c 'import cupy; assert int(cupy.arange(3).sum()) == 3' || { echo "gpu_check: CuPy cannot compile kernels (NVRTC missing?)" >&2; exit 1; }
 # -o addopts= : the project's defaults deselect gpu tests and need pytest-timeout.
+# The tables are printed even when a test fails; the exit status is the tests' (or the bench's).
+status=0
 "$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rs \
-  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@"
-"$PYTHON" -m kvtier_bench.gpu
+  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@" || status=$?
+"$PYTHON" -m kvtier_bench.gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+exit "$status"

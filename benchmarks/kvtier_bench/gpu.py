@@ -86,10 +86,13 @@ def copy_engine_bandwidth(page_sizes=PAGE_SIZES, total_bytes: int = 512 << 20, r
         layout = PageLayout(layers=1, kv_heads=1, head_dim=page_bytes // 32, block_tokens=16, dtype="uint8")
         pages = max(2, total_bytes // layout.slot_bytes)
         host = HostArena(f"kvtier-bench-gpu-{uuid.uuid4().hex[:8]}", layout, pages)
+        for slot in range(pages):
+            host.give(slot, "bench")
         device = DeviceArena(layout, pages)
         unpin = pin_host(host)
         engine = CopyEngine(host, device)
         pinned = cupy.cuda.alloc_pinned_memory(pages * layout.slot_bytes)
+        pageable = np.ones(pages * layout.slot_bytes, np.uint8)  # touched: no first-fault cost
         stream = cupy.cuda.Stream(non_blocking=True)
         try:
             order = np.random.default_rng(0).permutation(pages)
@@ -101,16 +104,18 @@ def copy_engine_bandwidth(page_sizes=PAGE_SIZES, total_bytes: int = 512 << 20, r
             def demote():
                 engine.demote([(d, h) for h, d in up])
 
-            def plain(kind):
+            def plain(kind, host_ptr):
                 def run():
-                    src, dst = (pinned.ptr, device.ptr) if kind == 1 else (device.ptr, pinned.ptr)
+                    src, dst = (host_ptr, device.ptr) if kind == 1 else (device.ptr, host_ptr)
                     cupy.cuda.runtime.memcpyAsync(dst, src, pages * layout.slot_bytes, kind, stream.ptr)
                     stream.synchronize()
                 return run
 
             nbytes = pages * layout.slot_bytes
             seconds = {name: _wall_seconds(fn, reps) for name, fn in
-                       (("promote", promote), ("h2d", plain(1)), ("demote", demote), ("d2h", plain(2)))}
+                       (("promote", promote), ("h2d", plain(1, pinned.ptr)), ("demote", demote),
+                        ("d2h", plain(2, pinned.ptr)), ("h2d_pageable", plain(1, pageable.ctypes.data)),
+                        ("d2h_pageable", plain(2, pageable.ctypes.data)))}
             rows.append({
                 "page_bytes": page_bytes, "pages": pages,
                 **{f"{name}_gbps": nbytes / s / 1e9 for name, s in seconds.items()},
@@ -134,12 +139,12 @@ def _wall_seconds(fn, reps: int) -> float:
 
 
 def format_engine_table(rows: list[dict]) -> str:
-    lines = [f"{'page':>9} {'pages':>6} {'promote':>8} {'h2d':>7} {'ratio':>6} {'demote':>8} {'d2h':>7} {'ratio':>6}   (GB/s)"]
+    lines = [f"{'page':>9} {'pages':>6} {'promote':>8} {'h2d':>7} {'ratio':>6} {'demote':>8} {'d2h':>7} {'ratio':>6} {'h2d unpinned':>12} {'d2h unpinned':>12}   (GB/s)"]
     for r in rows:
         lines.append(
             f"{r['page_bytes'] // 1024:>6}KiB {r['pages']:>6} {r['promote_gbps']:>8.1f} {r['h2d_gbps']:>7.1f} "
             f"{r['promote_gbps'] / r['h2d_gbps']:>6.2f} {r['demote_gbps']:>8.1f} {r['d2h_gbps']:>7.1f} "
-            f"{r['demote_gbps'] / r['d2h_gbps']:>6.2f}"
+            f"{r['demote_gbps'] / r['d2h_gbps']:>6.2f} {r['h2d_pageable_gbps']:>12.1f} {r['d2h_pageable_gbps']:>12.1f}"
         )
     return "\n".join(lines)
 

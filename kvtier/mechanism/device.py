@@ -113,23 +113,26 @@ class DeviceArena:
 
 def pin_host(arena: HostArena, device_id: int = 0) -> Callable[[], None]:
     """Page-lock the host arena's memory files for DMA, each as it is mapped (one per
-    namespace); returns the function that unpins them."""
+    namespace); returns the function that unpins them. Pinning makes a whole file resident:
+    with a device tier every namespace that has used a layout holds host_size of RAM."""
     cupy = _cupy()
-    pinned: list[int] = []
+    pinned: list[NamespaceMemory] = []
     lock = threading.Lock()
 
     def pin(memory: NamespaceMemory) -> None:
         with lock, cupy.cuda.Device(device_id):
             cupy.cuda.runtime.hostRegister(memory.address, arena.size, _HOST_REGISTER_PORTABLE)
-            pinned.append(memory.address)
+            memory.pinned = True
+            pinned.append(memory)
 
     for memory in arena.on_map(pin):
         pin(memory)
 
     def unpin() -> None:
         with lock, cupy.cuda.Device(device_id):
-            for address in pinned:
-                cupy.cuda.runtime.hostUnregister(address)
+            for memory in pinned:
+                cupy.cuda.runtime.hostUnregister(memory.address)
+                memory.pinned = False
             pinned.clear()
 
     return unpin

@@ -55,14 +55,24 @@ class NamespaceMemory:
     fd: int
     mm: mmap.mmap
     bytes: np.ndarray
+    #: Page-locked for DMA by the device tier: its pages cannot be freed while the GPU
+    #: holds their physical addresses, so a cut zeroes them instead.
+    pinned: bool = False
 
     @property
     def address(self) -> int:
         return self.bytes.ctypes.data
 
     def cut(self, start: int, length: int) -> None:
-        """Free the memory behind [start, start + length): the file reads zeros there."""
-        self.mm.madvise(mmap.MADV_REMOVE, start, length)
+        """Free the memory behind [start, start + length): the file reads zeros there.
+
+        A pinned file is zeroed in place instead: freeing pinned pages would leave the GPU
+        copying to and from pages the file no longer has (the next holder's bytes would
+        never reach the device, and the old bytes would)."""
+        if self.pinned:
+            self.bytes[start : start + length] = 0
+        else:
+            self.mm.madvise(mmap.MADV_REMOVE, start, length)
 
     def populate(self, start: int, length: int) -> None:
         """Allocate and map [start, start + length) now, in one call, so that the first

@@ -41,6 +41,8 @@ def test_promote_and_demote_keep_every_byte(layout):
     from kvtier.mechanism.host import HostArena
 
     host = HostArena(f"kvtier-gpu-test-{uuid.uuid4().hex[:8]}", layout, 32)
+    for slot in range(32):
+        host.give(slot, "tenant-a")
     device = DeviceArena(layout, 16)
     unpin = pin_host(host)
     engine = CopyEngine(host, device)
@@ -68,6 +70,43 @@ def test_promote_and_demote_keep_every_byte(layout):
             assert digest(host.page(16 + i)) == digest(host.page(src))
         assert engine.throughput.bytes_per_second > 0
         cupy.cuda.Device().synchronize()
+    finally:
+        engine.close()
+        unpin()
+        device.close()
+        host.close()
+
+
+def test_slot_given_to_another_namespace_after_pinning_promotes_the_new_bytes():
+    """A slot cut out of one namespace's (pinned) file and given to another: the copy engine
+    must read what the new holder wrote, not the pages the old holder's file had."""
+    import cupy
+
+    from kvtier.mechanism.device import CopyEngine, DeviceArena, pin_host
+    from kvtier.mechanism.host import HostArena
+
+    layout = LAYOUTS[0]
+    host = HostArena(f"kvtier-gpu-test-{uuid.uuid4().hex[:8]}", layout, 4)
+    for slot in range(4):
+        host.give(slot, "tenant-a")
+    device = DeviceArena(layout, 4)
+    unpin = pin_host(host)
+    engine = CopyEngine(host, device)
+    try:
+        host.page(0)[:] = 0x11
+        host.give(0, "tenant-b")  # maps and pins tenant-b's file, cuts the slot out of tenant-a's
+        host.page(0)[:] = 0x22
+        assert engine.promote([(0, 1)], None).wait(30)
+        assert (device.pages_array().get()[1, : layout.page_bytes] == 0x22).all()
+        host.give(0, "tenant-a")  # back to a pinned file that was cut there once
+        assert (host.page(0) == 0).all(), "a slot given back must not show the namespace's old bytes"
+        host.page(0)[:] = 0x44
+        assert engine.promote([(0, 2)], None).wait(30)
+        assert (device.pages_array().get()[2, : layout.page_bytes] == 0x44).all()
+        device.pages_array()[0, :] = 0x33
+        cupy.cuda.Device().synchronize()
+        engine.demote([(0, 0)])
+        assert (host.page(0) == 0x33).all()
     finally:
         engine.close()
         unpin()
