@@ -379,6 +379,20 @@ class BlockStore:
         return ReadGrant(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
 
     @_locked
+    def acquire_prefix(
+        self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST,
+        timeout: float | None = None,
+    ) -> tuple[PrefixMatch, ReadGrant | None]:
+        """Lookup and acquire in one call: the longest cached prefix of `keys` (at most the
+        tier's capacity), acquired as `acquire` would with `timeout`. Under one lock, so no
+        eviction falls between the two; the grant is None when nothing is cached."""
+        match = self.lookup(namespace, keys)
+        hit = min(match.hit_blocks, self._index.tiers[tier].slots.capacity) if tier in self._index.tiers else match.hit_blocks
+        if hit == 0:
+            return match, None
+        return match, self.acquire(session, namespace, keys[:hit], tier, timeout)
+
+    @_locked
     def prefetch(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0
     ) -> int:
