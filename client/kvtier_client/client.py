@@ -33,9 +33,13 @@ import numpy as np
 from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView
-from kvtier_client.errors import DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable
+from kvtier_client.errors import (
+    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
+)
 from kvtier_client.handoff import attach
-from kvtier_client.ids import LeaseId, SessionId, Slot, short_session
+from kvtier_client.hotpath import Granted, GrpcPath, HotPath, LanePath
+from kvtier_client.lane import Lane, LaneBroken
+from kvtier_client.ids import SessionId, short_session
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
@@ -44,15 +48,24 @@ from kvtier_client.results import CommitResult, LookupResult, PoolInfo, Stats
 from kvtier_client.results import Explanation
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
-from kvtier_client.wire import layout_to_proto, tier_from_proto, tier_to_proto
+from kvtier_client.wire import layout_to_proto
 
 log = logging.getLogger("kvtier_client")
 
 T = TypeVar("T")
 
 
-def _slots(slots: Sequence[int]) -> tuple[Slot, ...]:
-    return tuple(Slot(s) for s in slots)
+def _wait_policy(tier: Tier, wait: "Wait | None", deadline: float | None) -> tuple[int, int]:
+    """(wait policy, deadline_ms) of an acquire, checked before anything is sent."""
+    if tier not in (Tier.HOST, Tier.DEVICE):
+        raise ValueError(f"pages are lent from host or device, not {tier.label}")
+    if wait is None:
+        wait = Wait.DEADLINE if deadline is not None else Wait.ALL
+    if (wait is Wait.DEADLINE) != (deadline is not None):
+        raise ValueError("a deadline goes with wait=Wait.DEADLINE, and Wait.DEADLINE needs a deadline")
+    if deadline is not None and deadline <= 0:
+        raise ValueError(f"deadline must be positive seconds, got {deadline}")
+    return wait.value, max(1, math.ceil(deadline * 1000)) if deadline is not None else 0
 
 
 class Wait(enum.Enum):
@@ -83,6 +96,7 @@ class _Session:
     info: PoolInfo
     key: str = field(repr=False)  # every call of the session carries it
     arena: HostArenaView | None
+    path: HotPath  # the hot calls: the fast lane, or gRPC
     device: DeviceArenaView | None = None  # opened on the first device lease
 
     @property
@@ -106,6 +120,7 @@ class _Session:
         return self.device
 
     def close(self) -> None:
+        self.path.close()
         if self.arena is not None:
             self.arena.close()
         if self.device is not None:
@@ -120,7 +135,10 @@ class KVTierClient:
     host passes `map_arena=False` and moves bytes with kvtier_client.remote.RemotePages.
     `on_reconnect(old, new)` is called (from the thread that noticed) after the client
     registered again, so an engine holding its own views of the old arena can rebuild them.
-    Thread-safe: leases and calls may come from several engine threads.
+    A same-host client makes the hot calls over the daemon's fast lane (`transport` says
+    which it uses); `lane=False` keeps every call on gRPC.
+    Thread-safe: leases and calls may come from several engine threads; each thread's calls
+    reach the daemon in the order it makes them.
     """
 
     def __init__(
@@ -135,10 +153,12 @@ class KVTierClient:
         backoff: Backoff = Backoff(),
         timeout: float = 30.0,
         on_reconnect: Callable[[PoolInfo, PoolInfo], None] | None = None,
+        lane: bool = True,
     ) -> None:
         self.name = name or f"kvtier-client pid {os.getpid()}"
         self.map_arena = map_arena
         self.on_reconnect = on_reconnect
+        self.lane = lane
         self._conn = Connection(target, token=token, tls=tls, insecure=insecure, backoff=backoff, timeout=timeout)
         self._registration: _Registration | None = None
         self._session: _Session | None = None
@@ -157,6 +177,11 @@ class KVTierClient:
     def pool(self) -> PoolInfo:
         """The current session and pool (it changes when the client re-registers)."""
         return self._current().info
+
+    @property
+    def transport(self) -> str:
+        """What the hot calls travel over: "lane" (the same-host fast lane) or "grpc"."""
+        return self._current().path.transport
 
     @property
     def layout(self) -> PageLayout:
@@ -209,17 +234,31 @@ class KVTierClient:
                         f"daemon at {self.target} lends no host memory to this client (it registered over TCP): a client "
                         "on another host must pass map_arena=False and use kvtier_client.remote.RemotePages"
                     )
-                return _Session(info, key, None)
+                return _Session(info, key, None, GrpcPath(self._conn, info.session_id, key))
             attachment = attach(info.handoff_socket, info.session_id, self._conn.token, timeout=self._conn.timeout)
             key = attachment.session_key
             try:
                 arena = self._map(info, attachment.arena_fd) if self.map_arena else None
             finally:
                 os.close(attachment.arena_fd)
+            path = self._hot_path(info, key)
         except BaseException:
             self._close_session(info.session_id, key)
             raise
-        return _Session(info, key, arena)
+        return _Session(info, key, arena, path)
+
+    def _hot_path(self, info: PoolInfo, key: str) -> HotPath:
+        """The fast lane when the daemon offers it and it opens; else gRPC."""
+        grpc_path = GrpcPath(self._conn, info.session_id, key)
+        if not (self.lane and info.lane_socket):
+            return grpc_path
+        lane = Lane(info.lane_socket, info.session_id, key, self._conn.token, self._conn.timeout)
+        try:
+            lane.connect()
+        except LaneBroken as exc:
+            log.warning("kvtier: the daemon's fast lane is unavailable, using gRPC for every call: %s", exc)
+            return grpc_path
+        return LanePath(lane, grpc_path)
 
     @staticmethod
     def _map(info: PoolInfo, fd: int) -> HostArenaView:
@@ -239,6 +278,12 @@ class KVTierClient:
         self._check_open()
         return self._current()
 
+    def _sync(self) -> None:
+        """Before a gRPC call: what this thread sent on the lane without a reply is applied."""
+        session = self._session
+        if session is not None:
+            session.path.sync()
+
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPrecondition("this client is closed; create a new one")
@@ -254,7 +299,7 @@ class KVTierClient:
         if not self.is_current(session):
             return True
         try:
-            self._conn.unary("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), key=session.key)
+            session.path.heartbeat(self._conn.timeout)
         except NotFound:
             return True
         return False
@@ -334,10 +379,7 @@ class KVTierClient:
                 return
             session = self._current()
             try:
-                self._conn.unary(
-                    "Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), key=session.key,
-                    timeout=max(session.info.heartbeat_interval, 1.0), retry=False,
-                )
+                session.path.heartbeat(max(session.info.heartbeat_interval, 1.0))
             except NotFound:
                 if self._stop.is_set():
                     return
@@ -369,94 +411,87 @@ class KVTierClient:
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading keys are cached, and the fastest tier of each."""
-        reply = self._in_session(
-            lambda s: self._conn.unary("Lookup", pb.LookupRequest(session_id=s.session_id, keys=list(keys)), key=s.key)
-        )
-        return LookupResult.from_proto(reply)
+        return self._in_session(lambda s: s.path.lookup(keys))
 
     def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
         """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""
-        reply = self._in_session(
-            lambda s: self._conn.unary(
-                "Prefetch",
-                pb.PrefetchRequest(session_id=s.session_id, keys=list(keys), tier=tier_to_proto(tier), priority=priority),
-                key=s.key,
-            )
-        )
-        return reply.accepted
+        return self._in_session(lambda s: s.path.prefetch(keys, tier, priority))
 
     # -- leases ----------------------------------------------------------------
     def borrow(self, count: int) -> WriteLease:
         """A write lease on `count` free host pages. Use it in a `with` block (released on exit
         unless committed) or end it yourself with `commit` or `release`."""
+        return self._in_session(lambda s: self._write_lease(s, s.path.borrow(count)))
 
-        def call(session: _Session) -> WriteLease:
-            reply = self._conn.unary("Borrow", pb.BorrowRequest(session_id=session.session_id, count=count), key=session.key)
-            return WriteLease(self, session, LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
-
-        return self._in_session(call)
+    def _write_lease(self, session: _Session, grant: Granted) -> WriteLease:
+        return WriteLease(self, session, grant.lease_id, grant.tier, grant.slots)
 
     def commit(self, lease: WriteLease, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
         """Publish a write lease's pages under `keys` (see WriteLease.commit)."""
-
-        def call(session: _Session) -> CommitResult:
-            request = pb.CommitRequest(session_id=session.session_id, lease_id=lease.lease_id, keys=list(keys))
-            if parent is not None:
-                request.parent = parent
-            reply = self._conn.unary("Commit", request, key=session.key)
-            return CommitResult(reply.committed, tuple(reply.duplicates))
-
-        result = self._for_lease(lease, call)
+        result = self._for_lease(lease, lambda s: s.path.commit(lease.lease_id, keys, parent))
         lease.ended = True
         return result
+
+    def commit_and_borrow(self, lease: WriteLease, keys: Sequence[BlockKey], count: int, *,
+                          parent: BlockKey | None = None) -> tuple[CommitResult, WriteLease]:
+        """Commit `lease` and borrow `count` pages for the next block in one round trip (the
+        fast lane sends both frames at once; over gRPC it is two calls). If the commit is
+        refused, nothing is borrowed; if only the borrow is, BorrowAfterCommitError carries
+        the commit's result."""
+        try:
+            result, grant = self._for_lease(lease, lambda s: s.path.commit_and_borrow(lease.lease_id, keys, parent, count))
+        except BorrowAfterCommitError:
+            lease.ended = True
+            raise
+        lease.ended = True
+        return result, self._write_lease(lease.session, grant)
 
     def acquire(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
                 tier: Tier = Tier.HOST) -> ReadLease:
         """A read lease pinning every key's page in `tier`, loading slower copies first.
 
-        Every key must be cached (acquire `lookup(keys).hit_keys(keys)`), else NotFound.
-        `wait` defaults to Wait.DEADLINE when a `deadline` (seconds) is given, else Wait.ALL;
-        with NONE or DEADLINE only the first `lease.ready` pages are readable.
-        `tier=Tier.DEVICE` (GPU daemons) lends pages in the daemon's HBM: the wait covers
-        loads from disk, and the lease's tensors are readable once its copy event completes
-        (docs/gpu.md). Use it in a `with` block, or call `release` yourself.
+        Every key must be cached (acquire `lookup(keys).hit_keys(keys)`, or use
+        `acquire_prefix`), else NotFound. `wait` defaults to Wait.DEADLINE when a
+        `deadline` (seconds) is given, else Wait.ALL; with NONE or DEADLINE only the first
+        `lease.ready` pages are readable. `tier=Tier.DEVICE` (GPU daemons) lends pages in
+        the daemon's HBM: the wait covers loads from disk, and the lease's tensors are
+        readable once its copy event completes (docs/gpu.md). Use it in a `with` block, or
+        call `release` yourself.
         """
-        if tier not in (Tier.HOST, Tier.DEVICE):
-            raise ValueError(f"pages are lent from host or device, not {tier.label}")
-        if wait is None:
-            wait = Wait.DEADLINE if deadline is not None else Wait.ALL
-        if (wait is Wait.DEADLINE) != (deadline is not None):
-            raise ValueError("a deadline goes with wait=Wait.DEADLINE, and Wait.DEADLINE needs a deadline")
-        if deadline is not None and deadline <= 0:
-            raise ValueError(f"deadline must be positive seconds, got {deadline}")
-        deadline_ms = max(1, math.ceil(deadline * 1000)) if deadline is not None else 0
+        wait_value, deadline_ms = _wait_policy(tier, wait, deadline)
         key_list = list(keys)
+        timeout = self._conn.timeout + deadline_ms / 1000
+        return self._in_session(
+            lambda s: self._read_lease(s, s.path.acquire(key_list, tier, wait_value, deadline_ms, timeout), key_list)
+        )
 
-        def call(session: _Session) -> ReadLease:
-            reply = self._conn.unary(
-                "Acquire",
-                pb.AcquireRequest(
-                    session_id=session.session_id, keys=key_list, tier=tier_to_proto(tier),
-                    wait=wait.value, deadline_ms=deadline_ms,
-                ),
-                key=session.key,
-                timeout=self._conn.timeout + deadline_ms / 1000,
-            )
-            return ReadLease(
-                self, session, LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots),
-                keys=key_list, ready=reply.ready, promoted=reply.promoted, ready_event=reply.ready_event,
-            )
+    def acquire_prefix(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
+                       tier: Tier = Tier.HOST) -> tuple[LookupResult, ReadLease | None]:
+        """Lookup and acquire in one call: the longest cached prefix of `keys`, leased as
+        `acquire` would lease it (None when nothing is cached). On the fast lane nothing
+        can be evicted between the two; over gRPC a page evicted in between is looked up
+        again, once."""
+        wait_value, deadline_ms = _wait_policy(tier, wait, deadline)
+        key_list = list(keys)
+        timeout = self._conn.timeout + deadline_ms / 1000
+
+        def call(session: _Session) -> tuple[LookupResult, ReadLease | None]:
+            found, grant = session.path.acquire_prefix(key_list, tier, wait_value, deadline_ms, timeout)
+            if grant is None:
+                return found, None
+            return found, self._read_lease(session, grant, found.hit_keys(key_list))
 
         return self._in_session(call)
 
+    def _read_lease(self, session: _Session, grant: Granted, keys: list[BlockKey]) -> ReadLease:
+        return ReadLease(self, session, grant.lease_id, grant.tier, grant.slots, keys=keys, ready=grant.ready,
+                         promoted=grant.promoted, ready_event=grant.ready_event)
+
     def release(self, lease: Lease) -> None:
-        """End a lease: unpin a read lease's pages, free a write lease's uncommitted pages."""
-        self._for_lease(
-            lease,
-            lambda s: self._conn.unary(
-                "Release", pb.ReleaseRequest(session_id=s.session_id, lease_id=lease.lease_id), key=s.key
-            ),
-        )
+        """End a lease: unpin a read lease's pages, free a write lease's uncommitted pages.
+        On the fast lane this does not wait for the daemon: it applies the release before
+        anything else this thread sends."""
+        self._for_lease(lease, lambda s: s.path.release(lease.lease_id))
         lease.ended = True
 
     # -- page bytes over gRPC (for kvtier_client.remote.RemotePages) ------------
@@ -466,6 +501,7 @@ class KVTierClient:
         Checks nothing about the pages (RemotePages does); a lease of a lost session raises
         DaemonRestarted, as every lease call does."""
         session = self._lease_session(lease)
+        session.path.sync()
         request = pb.ReadPagesRequest(session_id=session.session_id, lease_id=lease.lease_id)
         try:
             for message in self._conn.server_stream("ReadPages", request, key=session.key):
@@ -480,6 +516,8 @@ class KVTierClient:
         lease stays open: commit it afterwards."""
 
         def call(session: _Session) -> int:
+            session.path.sync()
+
             def messages() -> Iterator[pb.PageData]:
                 for i, data in enumerate(pages):
                     if i == 0:
@@ -495,6 +533,7 @@ class KVTierClient:
     def stats(self) -> Stats:
         """Capacity, occupancy and counters of every pool, sessions and leases. Needs no session."""
         self._check_open()
+        self._sync()
         return Stats.from_proto(self._conn.unary("Stats", pb.StatsRequest()))
 
     # -- shutdown --------------------------------------------------------------
@@ -510,6 +549,7 @@ class KVTierClient:
         session = self._session
         try:
             if session is not None:
+                session.path.close()  # this thread's releases were sent before; the close comes after them
                 self._close_session(session.session_id, session.key)
         finally:
             self._conn.close()
@@ -540,6 +580,7 @@ class KVTierClient:
         """Why each key is or is not cached for this session: cached, evicted (when, by which
         policy, whose pressure), dropped as corrupt, never stored, cached in another layout,
         or beyond the longest cached prefix. Changes nothing, counts nothing."""
+        self._sync()
         reply = self._in_session(
             lambda s: self._conn.unary("Explain", pb.ExplainRequest(session_id=s.session_id, keys=list(keys)), key=s.key)
         )

@@ -60,6 +60,17 @@ class DaemonRestarted(NotFound):
     daemon no longer knows the lease."""
 
 
+class BorrowAfterCommitError(KVTierError):
+    """commit_and_borrow: the Commit happened (`committed`), the Borrow was refused (`error`,
+    whose code this carries). The write lease has ended; borrow again when there is room."""
+
+    def __init__(self, committed, error: KVTierError) -> None:
+        super().__init__(f"committed {committed.committed} pages, then the borrow was refused: {error}")
+        self.committed = committed
+        self.error = error
+        self.code = error.code
+
+
 ERRORS_BY_CODE: dict[str, type[KVTierError]] = {
     cls.code: cls
     for cls in (
@@ -75,17 +86,24 @@ ERRORS_BY_CODE: dict[str, type[KVTierError]] = {
 
 
 def from_rpc_error(exc: grpc.RpcError) -> KVTierError:
-    """The KVTierError subclass for a failed call's status code, carrying the daemon's message.
-
-    Codes without a class of their own (DEADLINE_EXCEEDED, INTERNAL, ...) become a plain
-    KVTierError whose `code` names them, so callers can still tell them apart.
-    """
+    """The KVTierError subclass for a failed call's status code, carrying the daemon's message."""
     if not isinstance(exc, grpc.Call):
         # An RpcError raised outside a call (rare: a channel closed under us) has no status.
         return KVTierError(str(exc) or "gRPC call failed without a status")
     status = exc.code()
     name = status.name if status is not None else "UNKNOWN"
-    message = exc.details() or f"daemon returned {name} without a message"
+    return from_status(name, exc.details() or f"daemon returned {name} without a message")
+
+
+_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def from_status(status: int | str, message: str) -> KVTierError:
+    """The KVTierError for a status code, by name or by number (the fast lane sends numbers).
+
+    Codes without a class of their own (DEADLINE_EXCEEDED, INTERNAL, ...) become a plain
+    KVTierError whose `code` names them, so callers can still tell them apart."""
+    name = _NAMES.get(status, "UNKNOWN") if isinstance(status, int) else status
     cls = ERRORS_BY_CODE.get(name)
     if cls is not None:
         return cls(message)

@@ -31,6 +31,7 @@ class PoolInfo:
     device_ipc_handle: bytes = b""  # the device arena's CUDA IPC handle; empty without a device tier
     device_arena_bytes: int = 0
     device_pci_bus_id: str = ""
+    lane_socket: str = ""  # the same-host fast lane for the hot calls (empty over TCP, or when it is off)
 
     @classmethod
     def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
@@ -50,6 +51,7 @@ class PoolInfo:
             device_ipc_handle=reply.device_ipc_handle,
             device_arena_bytes=reply.device_arena_bytes,
             device_pci_bus_id=reply.device_pci_bus_id,
+            lane_socket=reply.lane_socket,
         )
 
     def capacity(self, tier: Tier) -> int:

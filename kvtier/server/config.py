@@ -59,6 +59,7 @@ class ListenConfig:
     tls_key: str
     tls_client_ca: str  # set = mutual TLS: clients must present a certificate it signed
     insecure: bool  # allow TCP without TLS (loopback testing only)
+    lane: bool  # serve the same-host fast lane (<socket>.lane) for the hot calls
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_key", "listen", PATH, "", "PEM private key for TCP.", shown="none"),
     Option("tls_client_ca", "listen", PATH, "", "PEM CA: require client certificates it signed (mutual TLS).", shown="none"),
     Option("insecure", "listen", BOOL, False, "Allow plaintext TCP (trusted loopback only)."),
+    Option("lane", "listen", BOOL, True, "Serve the same-host fast lane (<socket>.lane): the hot calls as binary "
+           "frames on a Unix socket; --no-lane leaves every client on gRPC.", off_flag="no-lane"),
     Option("auth", "auth", Kind.of(AuthMode, optional=True), "", "Namespace authorisation.",
            shown="tokens if tokens_file is set, else none", field="mode"),
     Option("tokens_file", "auth", PATH, "", 'TOML file: [tokens] "<token>" = ["namespace", ...].', shown="none"),

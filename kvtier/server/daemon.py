@@ -22,6 +22,8 @@ from kvtier.mechanism.keeper import KeeperClient, keeper_path
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.handoff import Handoff, handoff_path
+from kvtier.server.lane import Lane, lane_path
+from kvtier.server.ops import HotOps
 from kvtier.server.metrics import Metrics
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
@@ -90,11 +92,13 @@ class Daemon:
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
         self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants)
         self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions)
+        ops = HotOps(self.sessions, self.drain)
+        self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics) if config.listen.lane else None
         self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot)
         self.service = KVTierService(
             sessions=self.sessions, pools=self.pools, auth=auth, drain=self.drain,
             metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(), handoff_socket=self.handoff.path,
-            explainer=Explainer(self.pools),
+            explainer=Explainer(self.pools), ops=ops, lane_socket=self.lane.path if self.lane is not None else "",
         )
         self.health = HealthService(("", SERVICE_NAME))
         for name in self.health.services:  # HealthServicer starts as SERVING; we are not, until start() ends
@@ -140,6 +144,8 @@ class Daemon:
         self._server.start()
         os.chmod(listen.socket, 0o660)
         self.handoff.start()
+        if self.lane is not None:
+            self.lane.start()
         self.sessions.start()
         if cfg.metrics.port:
             self._metrics_server, _ = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
@@ -147,7 +153,8 @@ class Daemon:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving",
-            extra={"socket": listen.socket, "tcp": listen.tcp or None, "auth": cfg.auth.mode.value,
+            extra={"socket": listen.socket, "lane": self.lane.path if self.lane is not None else None,
+                   "tcp": listen.tcp or None, "auth": cfg.auth.mode.value,
                    "host_size": cfg.tiers.host_size, "disk_size": cfg.tiers.disk_size, "cache_dir": cfg.tiers.cache_dir,
                    "metrics_port": cfg.metrics.port or None, "pid": os.getpid()},
         )
@@ -185,6 +192,8 @@ class Daemon:
                 log.warning("gRPC server did not stop in time; stopping anyway", extra={"waited_s": SERVER_STOP_WAIT_S})
         self.sessions.stop()
         self.handoff.stop()
+        if self.lane is not None:
+            self.lane.stop()
         # The copy of host-only pages to disk gets drain_timeout too; what it has not copied
         # by then stays in the host arena, which is then kept for the next daemon to adopt.
         self.pools.close_all(deadline=time.monotonic() + timeout)

@@ -178,8 +178,8 @@ class Metrics:
         )
         self.rpc_duration = Histogram(
             "kvtier_rpc_duration_seconds",
-            "Time to serve an RPC, by method and gRPC status code.",
-            ["method", "code"],
+            "Time to serve a call, by method, gRPC status code and transport (grpc, or lane: the same-host fast lane).",
+            ["method", "code", "transport"],
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )

@@ -25,7 +25,8 @@ from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.metrics import Metrics
-from kvtier.server.pools import Pool, PoolRegistry
+from kvtier.server.ops import HotOps
+from kvtier.server.pools import PoolRegistry
 from kvtier.server.sessions import Caller, Session, SessionManager
 from kvtier.server.wire_guard import cut
 
@@ -61,32 +62,9 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
             log.exception("internal error in %s", name)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; the daemon log has the details")
         finally:
-            self.metrics.rpc_duration.labels(name, code).observe(time.perf_counter() - start)
+            self.metrics.rpc_duration.labels(name, code, "grpc").observe(time.perf_counter() - start)
 
     return wrapper
-
-
-def _tier_from_pb(value: int, pool: Pool) -> Tier:
-    if value in (pb.TIER_UNSPECIFIED, pb.TIER_HOST):
-        return Tier.HOST
-    if value == pb.TIER_DEVICE:
-        if pool.device is None:
-            raise InvalidArgument("this daemon has no device tier (no GPU, or device_size 0); use TIER_HOST")
-        return Tier.DEVICE
-    raise InvalidArgument(f"pages can be acquired into host (or device on GPU daemons), not tier {value}")
-
-
-def _wait_timeout(request: pb.AcquireRequest) -> float | None:
-    """The wait policy as the core's timeout: None = all, 0 = none, t = deadline."""
-    if request.wait == pb.WAIT_NONE:
-        return 0.0
-    if request.wait == pb.WAIT_DEADLINE:
-        if request.deadline_ms == 0:
-            raise InvalidArgument("WAIT_DEADLINE needs deadline_ms > 0")
-        return request.deadline_ms / 1000
-    if request.wait in (pb.WAIT_ALL, pb.WAIT_POLICY_UNSPECIFIED):
-        return None
-    raise InvalidArgument(f"unknown wait policy {request.wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
 def _layout(request: pb.RegisterRequest) -> PageLayout:
@@ -167,6 +145,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     started: float  # time.monotonic() at daemon start, for the uptime in Stats
     handoff_socket: str  # where same-host clients attach their sessions
     explainer: Explainer  # Explain, and the key hashings each namespace registered with
+    ops: HotOps  # the hot calls, shared with the fast lane
+    lane_socket: str  # where same-host clients run the hot calls ("" when the lane is off)
 
     def _session(self, session_id: str, context) -> Session:
         """The session a call names, if the caller holds its credentials."""
@@ -188,6 +168,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         return pb.RegisterResponse(
             session_id=session.session_id,
             handoff_socket=self.handoff_socket if local else "",
+            lane_socket=self.lane_socket if local else "",
             session_key="" if local else session.key,  # same host: only the attaching process gets it
             page_bytes=pool.layout.page_bytes,
             slot_bytes=pool.layout.slot_bytes,
@@ -203,8 +184,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Heartbeat(self, request, context) -> pb.HeartbeatResponse:
-        session = self._session(request.session_id, context)
-        return pb.HeartbeatResponse(leases=session.pool.store.session_leases(session.session_id))
+        return pb.HeartbeatResponse(leases=self.ops.heartbeat(self._session(request.session_id, context)))
 
     @_rpc
     def CloseSession(self, request, context) -> pb.CloseSessionResponse:
@@ -212,32 +192,24 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        s = self._session(request.session_id, context)
-        result = s.pool.store.lookup(s.namespace, list(request.keys))
+        result = self.ops.lookup(self._session(request.session_id, context), list(request.keys))
         return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
-        self.drain.check_open()
-        s = self._session(request.session_id, context)
-        lease = s.pool.store.borrow(s.session_id, s.namespace, request.count)
-        self.sessions.check_still_open(s, lease.lease_id)
-        return pb.BorrowResponse(lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots)
+        grant = self.ops.borrow(self._session(request.session_id, context), request.count)
+        return pb.BorrowResponse(lease_id=grant.lease_id, tier=tier_to_proto(grant.tier), slots=grant.slots)
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
         s = self._session(request.session_id, context)
-        result = s.pool.store.commit(s.session_id, request.lease_id, list(request.keys), request.parent or None)
-        self.drain.lease_ended()
+        result = self.ops.commit(s, request.lease_id, list(request.keys), request.parent or None)
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
 
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
-        self.drain.check_open()
         s = self._session(request.session_id, context)
-        tier = _tier_from_pb(request.tier, s.pool)
-        lease = s.pool.store.acquire(s.session_id, s.namespace, list(request.keys), tier, _wait_timeout(request))
-        self.sessions.check_still_open(s, lease.lease_id)
+        lease = self.ops.acquire(s, list(request.keys), request.tier, request.wait, request.deadline_ms)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
             ready=lease.ready, promoted=lease.promoted,
@@ -246,19 +218,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:
-        s = self._session(request.session_id, context)
-        s.pool.store.release(s.session_id, request.lease_id)
-        self.drain.lease_ended()
+        self.ops.release(self._session(request.session_id, context), request.lease_id)
         return pb.ReleaseResponse()
 
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
-        self.drain.check_open()
         s = self._session(request.session_id, context)
-        tier = _tier_from_pb(request.tier, s.pool)
-        # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
-        accepted = s.pool.store.prefetch(s.session_id, s.namespace, list(request.keys), tier, request.priority)
-        return pb.PrefetchResponse(accepted=accepted)
+        return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority))
 
     @_rpc
     def Stats(self, request, context) -> pb.StatsResponse:

@@ -86,7 +86,7 @@ class TierInfo(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key")
+    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key", "lane_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class RegisterResponse(_message.Message):
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page_bytes: int
     slot_bytes: int
@@ -113,7 +114,8 @@ class RegisterResponse(_message.Message):
     device_pci_bus_id: str
     handoff_socket: str
     session_key: str
-    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ...) -> None: ...
+    lane_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ..., lane_socket: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,314 @@
+"""The fast lane's frames: the binary messages of the hot calls between a same-host client and
+the daemon (docs/protocol.md, "The fast lane", has them byte for byte).
+
+One frame is one SOCK_SEQPACKET message, so the kernel keeps the boundaries and no length
+prefix is needed. Every integer is little-endian. A frame starts with an 8-byte header:
+
+    request   u8 version (1) | u8 op | u16 flags  | u32 seq
+    reply     u8 version (1) | u8 op | u16 status | u32 seq
+
+`seq` is the client's number for the request, echoed in its reply; `status` is 0, or the
+gRPC status code the same error has over gRPC (its UTF-8 message is then the body). Keys
+travel as a *key block*: u32 count, u8 width, 3 zero bytes, then `count * width` bytes when
+every key is `width` bytes long, or (width 0) each key as u8 length + bytes.
+
+This module only encodes and decodes; it is shared by the client (kvtier_client.lane) and
+the daemon (kvtier.server.lane), so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+VERSION = 1
+HEADER = struct.Struct("<BBHI")
+#: Request flag: do not answer (Release only); the daemon still applies it in order.
+NO_REPLY = 0x1
+#: The largest frame either side sends or accepts. A request that would be larger goes over
+#: gRPC instead (the client decides, before sending).
+MAX_FRAME = 192 << 10
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    BORROW = 3
+    COMMIT = 4
+    ACQUIRE = 5
+    ACQUIRE_PREFIX = 6
+    RELEASE = 7
+    PREFETCH = 8
+    HEARTBEAT = 9
+
+
+class FrameError(ValueError):
+    """A frame that does not decode: wrong version, unknown op, short or trailing bytes."""
+
+
+_KEYS = struct.Struct("<IB3x")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_BORROW_REPLY = struct.Struct("<QBxxxI")  # lease id, tier, slot count
+_COMMIT = struct.Struct("<QB")  # lease id, parent length (0: none)
+_COMMIT_REPLY = struct.Struct("<II")  # committed, duplicate count
+_ACQUIRE = struct.Struct("<BBxxI")  # tier, wait, deadline_ms
+_ACQUIRE_REPLY = struct.Struct("<QBxHIII")  # lease id, tier, event length, ready, promoted, slot count
+_PREFETCH = struct.Struct("<BxxxI")  # tier, priority (signed in effect: see encode)
+_HELLO = struct.Struct("<HHH")  # session id, key and token lengths
+
+
+# -- the header ------------------------------------------------------------------------
+def header(op: Op, seq: int, flags: int = 0) -> bytes:
+    return HEADER.pack(VERSION, op, flags, seq)
+
+
+def with_seq(frame: bytes, seq: int) -> bytes:
+    """The frame with its seq set (encoders make frames with seq 0; the connection numbers them)."""
+    return frame[:4] + _U32.pack(seq) + frame[HEADER.size :]
+
+
+def split(frame: bytes | memoryview) -> tuple[Op, int, int, memoryview]:
+    """(op, flags or status, seq, body) of a frame."""
+    if len(frame) < HEADER.size:
+        raise FrameError(f"a frame is at least {HEADER.size} bytes, got {len(frame)}")
+    version, op, flags, seq = HEADER.unpack_from(frame)
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this side speaks {VERSION}")
+    try:
+        op = Op(op)
+    except ValueError:
+        raise FrameError(f"unknown op {op}") from None
+    return op, flags, seq, memoryview(frame)[HEADER.size :]
+
+
+# -- pieces ----------------------------------------------------------------------------
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    if not keys:
+        return _KEYS.pack(0, 0)
+    width = len(keys[0])
+    if 0 < width < 256 and all(len(k) == width for k in keys):
+        return _KEYS.pack(len(keys), width) + b"".join(keys)
+    if any(not 0 < len(k) < 256 for k in keys):
+        raise FrameError("keys on the lane are 1 to 255 bytes")
+    return _KEYS.pack(len(keys), 0) + b"".join(bytes((len(k),)) + k for k in keys)
+
+
+def unpack_keys(body: memoryview, at: int = 0) -> tuple[list[bytes], int]:
+    """The key block at `at`, and the offset after it."""
+    if len(body) < at + _KEYS.size:
+        raise FrameError("a key block needs its 8-byte header")
+    count, width = _KEYS.unpack_from(body, at)
+    at += _KEYS.size
+    if width:
+        end = at + count * width
+        if len(body) < end:
+            raise FrameError(f"a key block of {count} keys of {width} bytes is cut short")
+        raw = bytes(body[at:end])
+        return [raw[i : i + width] for i in range(0, len(raw), width)], end
+    keys = []
+    for _ in range(count):
+        if at >= len(body) or at + 1 + body[at] > len(body):
+            raise FrameError(f"a key block of {count} keys is cut short")
+        length = body[at]
+        if length == 0:
+            raise FrameError("a key on the lane is 1 to 255 bytes, got 0")
+        keys.append(bytes(body[at + 1 : at + 1 + length]))
+        at += 1 + length
+    return keys, at
+
+
+def pack_slots(slots: Sequence[int]) -> bytes:
+    return array("I", slots).tobytes()
+
+
+def unpack_slots(body: memoryview, at: int, count: int) -> tuple[tuple[int, ...], int]:
+    end = at + 4 * count
+    if len(body) < end:
+        raise FrameError(f"{count} slots are cut short")
+    slots = array("I")
+    slots.frombytes(body[at:end])
+    return tuple(slots), end
+
+
+def done(body: memoryview, at: int) -> None:
+    if at != len(body):
+        raise FrameError(f"{len(body) - at} bytes after the end of the frame")
+
+
+# -- requests --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    session_id: str
+    key: str
+    token: str | None
+
+
+def hello(seq: int, session_id: str, key: str, token: str | None) -> bytes:
+    parts = [s.encode() for s in (session_id, key, token or "")]
+    return header(Op.HELLO, seq, 1 if token is not None else 0) + _HELLO.pack(*map(len, parts)) + b"".join(parts)
+
+
+def read_hello(flags: int, body: memoryview) -> Hello:
+    if len(body) < _HELLO.size:
+        raise FrameError("a hello names the session id, key and token lengths")
+    lengths = _HELLO.unpack_from(body)
+    at, parts = _HELLO.size, []
+    for length in lengths:
+        parts.append(bytes(body[at : at + length]).decode("utf-8", "replace"))
+        at += length
+    done(body, at)
+    return Hello(parts[0], parts[1], parts[2] if flags & 1 else None)
+
+
+def lookup(seq: int, keys: Sequence[bytes]) -> bytes:
+    return header(Op.LOOKUP, seq) + pack_keys(keys)
+
+
+def borrow(seq: int, count: int) -> bytes:
+    return header(Op.BORROW, seq) + _U32.pack(count)
+
+
+def commit(seq: int, lease_id: int, keys: Sequence[bytes], parent: bytes | None) -> bytes:
+    parent = parent or b""
+    if len(parent) > 255:
+        raise FrameError("a parent key on the lane is at most 255 bytes")
+    return header(Op.COMMIT, seq) + _COMMIT.pack(lease_id, len(parent)) + parent + pack_keys(keys)
+
+
+def read_commit(body: memoryview) -> tuple[int, bytes | None, list[bytes]]:
+    if len(body) < _COMMIT.size:
+        raise FrameError("a commit starts with the lease id and the parent's length")
+    lease_id, parent_len = _COMMIT.unpack_from(body)
+    at = _COMMIT.size + parent_len
+    parent = bytes(body[_COMMIT.size : at]) if parent_len else None
+    keys, at = unpack_keys(body, at)
+    done(body, at)
+    return lease_id, parent, keys
+
+
+def acquire(seq: int, keys: Sequence[bytes], tier: int, wait: int, deadline_ms: int, *, prefix: bool = False) -> bytes:
+    return header(Op.ACQUIRE_PREFIX if prefix else Op.ACQUIRE, seq) + _ACQUIRE.pack(tier, wait, deadline_ms) + pack_keys(keys)
+
+
+def read_acquire(body: memoryview) -> tuple[int, int, int, list[bytes]]:
+    """(tier, wait, deadline_ms, keys)"""
+    if len(body) < _ACQUIRE.size:
+        raise FrameError("an acquire starts with tier, wait and deadline_ms")
+    tier, wait, deadline_ms = _ACQUIRE.unpack_from(body)
+    keys, at = unpack_keys(body, _ACQUIRE.size)
+    done(body, at)
+    return tier, wait, deadline_ms, keys
+
+
+def release(seq: int, lease_id: int, *, reply: bool) -> bytes:
+    return header(Op.RELEASE, seq, 0 if reply else NO_REPLY) + _U64.pack(lease_id)
+
+
+def prefetch(seq: int, keys: Sequence[bytes], tier: int, priority: int) -> bytes:
+    return header(Op.PREFETCH, seq) + _PREFETCH.pack(tier, priority & 0xFFFFFFFF) + pack_keys(keys)
+
+
+def read_prefetch(body: memoryview) -> tuple[int, int, list[bytes]]:
+    """(tier, priority, keys)"""
+    if len(body) < _PREFETCH.size:
+        raise FrameError("a prefetch starts with tier and priority")
+    tier, priority = _PREFETCH.unpack_from(body)
+    keys, at = unpack_keys(body, _PREFETCH.size)
+    done(body, at)
+    return tier, priority - (1 << 32) if priority >= 1 << 31 else priority, keys
+
+
+def heartbeat(seq: int) -> bytes:
+    return header(Op.HEARTBEAT, seq)
+
+
+def read_u32(body: memoryview) -> int:
+    if len(body) != 4:
+        raise FrameError(f"expected a 4-byte count, got {len(body)} bytes")
+    return _U32.unpack_from(body)[0]
+
+
+def read_u64(body: memoryview) -> int:
+    if len(body) != 8:
+        raise FrameError(f"expected an 8-byte lease id, got {len(body)} bytes")
+    return _U64.unpack_from(body)[0]
+
+
+# -- replies ---------------------------------------------------------------------------
+def reply(op: Op, seq: int, body: bytes = b"") -> bytes:
+    return HEADER.pack(VERSION, op, 0, seq) + body
+
+
+def error(op: Op, seq: int, status: int, message: str) -> bytes:
+    return HEADER.pack(VERSION, op, status, seq) + message.encode()[: MAX_FRAME - HEADER.size]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease as a reply carries it (Borrow, Acquire)."""
+
+    lease_id: int
+    tier: int
+    slots: tuple[int, ...]
+    ready: int = 0
+    promoted: int = 0
+    ready_event: bytes = b""
+
+
+def pack_lookup(hit_blocks: int, tiers: Sequence[int]) -> bytes:
+    return _U32.pack(hit_blocks) + bytes(tiers)
+
+
+def unpack_lookup(body: memoryview, at: int = 0) -> tuple[int, tuple[int, ...], int]:
+    if len(body) < at + 4:
+        raise FrameError("a lookup reply starts with hit_blocks")
+    (hit,) = _U32.unpack_from(body, at)
+    end = at + 4 + hit
+    if len(body) < end:
+        raise FrameError("a lookup reply's tiers are cut short")
+    return hit, tuple(body[at + 4 : end]), end
+
+
+def pack_borrow(lease_id: int, tier: int, slots: Sequence[int]) -> bytes:
+    return _BORROW_REPLY.pack(lease_id, tier, len(slots)) + pack_slots(slots)
+
+
+def unpack_borrow(body: memoryview) -> Grant:
+    if len(body) < _BORROW_REPLY.size:
+        raise FrameError("a borrow reply is cut short")
+    lease_id, tier, count = _BORROW_REPLY.unpack_from(body)
+    slots, at = unpack_slots(body, _BORROW_REPLY.size, count)
+    done(body, at)
+    return Grant(lease_id, tier, slots)
+
+
+def pack_commit(committed: int, duplicates: Sequence[int]) -> bytes:
+    return _COMMIT_REPLY.pack(committed, len(duplicates)) + pack_slots(duplicates)
+
+
+def unpack_commit(body: memoryview) -> tuple[int, tuple[int, ...]]:
+    if len(body) < _COMMIT_REPLY.size:
+        raise FrameError("a commit reply is cut short")
+    committed, count = _COMMIT_REPLY.unpack_from(body)
+    duplicates, at = unpack_slots(body, _COMMIT_REPLY.size, count)
+    done(body, at)
+    return committed, duplicates
+
+
+def pack_acquire(grant: Grant) -> bytes:
+    return (_ACQUIRE_REPLY.pack(grant.lease_id, grant.tier, len(grant.ready_event), grant.ready, grant.promoted,
+                                len(grant.slots))
+            + pack_slots(grant.slots) + grant.ready_event)
+
+
+def unpack_acquire(body: memoryview, at: int = 0) -> Grant:
+    if len(body) < at + _ACQUIRE_REPLY.size:
+        raise FrameError("an acquire reply is cut short")
+    lease_id, tier, event_len, ready, promoted, count = _ACQUIRE_REPLY.unpack_from(body, at)
+    slots, at = unpack_slots(body, at + _ACQUIRE_REPLY.size, count)
+    event = bytes(body[at : at + event_len])
+    done(body, at + event_len)
+    return Grant(lease_id, tier, slots, ready, promoted, event)

@@ -1,0 +1,245 @@
+"""The hot calls of one session, over one of two transports: `LanePath` (the same-host fast
+lane, binary frames on a Unix socket) or `GrpcPath` (everyone else, and the lane's
+fallback). KVTierClient holds one per session and never asks which it has; both raise the
+same KVTierErrors for the same refusals.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier_client import frames
+from kvtier_client.connection import Connection
+from kvtier_client.errors import BorrowAfterCommitError, KVTierError, NotFound
+from kvtier_client.ids import LeaseId, Slot
+from kvtier_client.keys import BlockKey
+from kvtier_client.lane import Lane, LaneBroken
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.results import CommitResult, LookupResult
+from kvtier_client.tiers import Tier
+from kvtier_client.wire import tier_from_proto, tier_to_proto
+
+log = logging.getLogger("kvtier_client")
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A lease as the daemon granted it (Borrow, Acquire)."""
+
+    lease_id: LeaseId
+    tier: Tier
+    slots: tuple[Slot, ...]
+    ready: int = 0
+    promoted: int = 0
+    ready_event: bytes = b""
+
+
+class HotPath(Protocol):
+    #: "lane" or "grpc": what the calls travel over.
+    transport: str
+
+    def heartbeat(self, timeout: float) -> int: ...
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult: ...
+    def borrow(self, count: int) -> Granted: ...
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult: ...
+    def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+                          count: int) -> tuple[CommitResult, Granted]: ...
+    def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted: ...
+    def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
+                       timeout: float) -> tuple[LookupResult, Granted | None]: ...
+    def release(self, lease_id: int) -> None: ...
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def _slots(slots: Sequence[int]) -> tuple[Slot, ...]:
+    return tuple(Slot(s) for s in slots)
+
+
+class GrpcPath:
+    """The hot calls as gRPC calls (with the connection's retries)."""
+
+    transport = "grpc"
+
+    def __init__(self, conn: Connection, session_id: str, key: str) -> None:
+        self._conn = conn
+        self._session_id = session_id
+        self._key = key
+
+    def _call(self, method: str, request, **kwargs):
+        return self._conn.unary(method, request, key=self._key, **kwargs)
+
+    def heartbeat(self, timeout: float) -> int:
+        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout,
+                          retry=False).leases
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        return LookupResult.from_proto(self._call("Lookup", pb.LookupRequest(session_id=self._session_id, keys=list(keys))))
+
+    def borrow(self, count: int) -> Granted:
+        reply = self._call("Borrow", pb.BorrowRequest(session_id=self._session_id, count=count))
+        return Granted(LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
+
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult:
+        request = pb.CommitRequest(session_id=self._session_id, lease_id=lease_id, keys=list(keys))
+        if parent is not None:
+            request.parent = parent
+        reply = self._call("Commit", request)
+        return CommitResult(reply.committed, tuple(reply.duplicates))
+
+    def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+                          count: int) -> tuple[CommitResult, Granted]:
+        result = self.commit(lease_id, keys, parent)
+        try:
+            return result, self.borrow(count)
+        except KVTierError as exc:
+            raise BorrowAfterCommitError(result, exc) from exc
+
+    def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted:
+        reply = self._call(
+            "Acquire",
+            pb.AcquireRequest(session_id=self._session_id, keys=list(keys), tier=tier_to_proto(tier), wait=wait,
+                              deadline_ms=deadline_ms),
+            timeout=timeout,
+        )
+        return Granted(LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots), reply.ready,
+                       reply.promoted, reply.ready_event)
+
+    def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
+                       timeout: float) -> tuple[LookupResult, Granted | None]:
+        """Lookup then Acquire (two calls over gRPC); a page evicted between the two is
+        looked up again, once."""
+        try:
+            return self._lookup_and_acquire(keys, tier, wait, deadline_ms, timeout)
+        except NotFound:
+            return self._lookup_and_acquire(keys, tier, wait, deadline_ms, timeout)
+
+    def _lookup_and_acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
+                            timeout: float) -> tuple[LookupResult, Granted | None]:
+        found = self.lookup(keys)
+        if found.hit_blocks == 0:
+            return found, None
+        return found, self.acquire(found.hit_keys(list(keys)), tier, wait, deadline_ms, timeout)
+
+    def release(self, lease_id: int) -> None:
+        self._call("Release", pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
+        return self._call("Prefetch", pb.PrefetchRequest(session_id=self._session_id, keys=list(keys),
+                                                         tier=tier_to_proto(tier), priority=priority)).accepted
+
+    def sync(self) -> None:
+        """Nothing to wait for: every gRPC call is answered."""
+
+    def close(self) -> None:
+        """The connection is the client's: nothing of the session's own to close."""
+
+
+class LanePath:
+    """The hot calls as lane frames. A request too large for one frame, or sent when this
+    thread's connection cannot be opened, goes over gRPC (`fallback`) instead."""
+
+    transport = "lane"
+
+    def __init__(self, lane: Lane, fallback: GrpcPath) -> None:
+        self._lane = lane
+        self._grpc = fallback
+
+    def _fits(self, frame: bytes) -> bool:
+        return len(frame) <= frames.MAX_FRAME
+
+    def _call(self, frame: bytes, timeout: float | None = None) -> memoryview | None:
+        """The reply body, or None when the frame must go over gRPC."""
+        if not self._fits(frame):
+            return None
+        try:
+            return self._lane.call(frame, timeout=timeout)
+        except LaneBroken as exc:
+            log.info("kvtier: a call went over gRPC: %s", exc)
+            return None
+
+    def heartbeat(self, timeout: float) -> int:
+        body = self._call(frames.heartbeat(0), timeout)
+        return self._grpc.heartbeat(timeout) if body is None else frames.read_u32(body)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        body = self._call(frames.lookup(0, keys))
+        if body is None:
+            return self._grpc.lookup(keys)
+        return _lookup_result(body)[0]
+
+    def borrow(self, count: int) -> Granted:
+        body = self._call(frames.borrow(0, count))
+        return self._grpc.borrow(count) if body is None else _granted(frames.unpack_borrow(body))
+
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult:
+        body = self._call(frames.commit(0, lease_id, keys, parent))
+        return self._grpc.commit(lease_id, keys, parent) if body is None else CommitResult(*frames.unpack_commit(body))
+
+    def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+                          count: int) -> tuple[CommitResult, Granted]:
+        """Both frames sent back to back: one round trip. A Commit refused raises its error
+        (the Borrow granted with it is released); a Borrow refused after a Commit that
+        happened raises BorrowAfterCommitError, which carries the commit's result."""
+        commit = frames.commit(0, lease_id, keys, parent)
+        if not self._fits(commit):
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count)
+        try:
+            committed, granted = self._lane.pipeline([commit, frames.borrow(0, count)])
+        except LaneBroken as exc:
+            log.info("kvtier: a call went over gRPC: %s", exc)
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count)
+        if isinstance(committed, KVTierError):
+            if not isinstance(granted, KVTierError):
+                self.release(frames.unpack_borrow(granted).lease_id)
+            raise committed
+        result = CommitResult(*frames.unpack_commit(committed))
+        if isinstance(granted, KVTierError):
+            raise BorrowAfterCommitError(result, granted)
+        return result, _granted(frames.unpack_borrow(granted))
+
+    def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted:
+        body = self._call(frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms), timeout)
+        if body is None:
+            return self._grpc.acquire(keys, tier, wait, deadline_ms, timeout)
+        return _granted(frames.unpack_acquire(body))
+
+    def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
+                       timeout: float) -> tuple[LookupResult, Granted | None]:
+        body = self._call(frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms, prefix=True), timeout)
+        if body is None:
+            return self._grpc.acquire_prefix(keys, tier, wait, deadline_ms, timeout)
+        found, at = _lookup_result(body)
+        grant = frames.unpack_acquire(body, at)
+        return found, _granted(grant) if grant.lease_id else None
+
+    def release(self, lease_id: int) -> None:
+        """Sent without waiting: the daemon applies it before this thread's next frame."""
+        try:
+            self._lane.send(frames.release(0, lease_id, reply=False))
+        except LaneBroken as exc:
+            log.info("kvtier: a call went over gRPC: %s", exc)
+            self._grpc.release(lease_id)
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
+        body = self._call(frames.prefetch(0, keys, tier_to_proto(tier), priority))
+        return self._grpc.prefetch(keys, tier, priority) if body is None else frames.read_u32(body)
+
+    def sync(self) -> None:
+        self._lane.sync()
+
+    def close(self) -> None:
+        self._lane.close()
+
+
+def _lookup_result(body: memoryview) -> tuple[LookupResult, int]:
+    hit, tiers, at = frames.unpack_lookup(body)
+    return LookupResult(hit, tuple(tier_from_proto(t) for t in tiers)), at
+
+
+def _granted(grant: frames.Grant) -> Granted:
+    return Granted(LeaseId(grant.lease_id), tier_from_proto(grant.tier), _slots(grant.slots), grant.ready,
+                   grant.promoted, grant.ready_event)

@@ -1,0 +1,269 @@
+"""The fast lane: the hot calls of same-host clients as binary frames over a Unix
+SOCK_SEQPACKET socket (kvtier_client.frames; docs/protocol.md, "The fast lane").
+
+Python gRPC costs ~0.5 ms a call; a frame on a Unix socket costs microseconds. The lane
+carries only what an engine does per request (Lookup, Borrow, Commit, Acquire, Release,
+Prefetch, Heartbeat); Register, Stats, admin and remote clients stay on gRPC.
+
+A connection serves one session. Its first frame is a HELLO naming the session, its key
+and the token that opened it; the kernel names the connecting process (SO_PEERCRED), which
+must be the one that attached the session over the handoff socket. Every later frame is
+checked against the session again (SessionManager.get: the session still open, its token
+still granted), and runs on the connection's own thread, in the order sent: a Release
+sent without waiting for its reply is applied before the next frame of that connection.
+A client opens one connection per calling thread, so each thread's calls keep their order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from kvtier_client import frames
+from kvtier_client.errors import InvalidArgument, KVTierError, PermissionDenied
+from kvtier_client.frames import FrameError, Op
+from kvtier_client.ids import short_session
+from kvtier_client.wire import tier_to_proto
+
+from kvtier.mechanism.keeper import peer_credentials
+from kvtier.server.metrics import Metrics
+from kvtier.server.ops import HotOps
+from kvtier.server.sessions import Caller, Process, Session, SessionManager
+
+log = logging.getLogger(__name__)
+
+#: A connection that sends no HELLO is dropped after this long.
+HELLO_TIMEOUT_S = 5.0
+#: Connections served at once (one thread each); more are refused with UNAVAILABLE and the
+#: client keeps using gRPC.
+MAX_CONNECTIONS = 512
+#: Socket buffers: a whole MAX_FRAME frame must fit in one message.
+BUFFER_BYTES = 4 * frames.MAX_FRAME
+
+_STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+def lane_path(socket_path: str) -> str:
+    return f"{socket_path}.lane"
+
+
+class Lane:
+    """The listening socket, its accept thread, and one thread per connection."""
+
+    def __init__(self, path: str, sessions: SessionManager, ops: HotOps, metrics: Metrics, mode: int = 0o660) -> None:
+        self.path = path
+        self._sessions = sessions
+        self._ops = ops
+        self._metrics = metrics
+        self._mode = mode
+        self._listener: socket.socket | None = None
+        self._accepting: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._handlers: dict[Op, Callable[[Session, int, memoryview], bytes | None]] = {
+            Op.HEARTBEAT: self._heartbeat, Op.LOOKUP: self._lookup, Op.BORROW: self._borrow, Op.COMMIT: self._commit,
+            Op.ACQUIRE: self._acquire, Op.ACQUIRE_PREFIX: self._acquire_prefix, Op.RELEASE: self._release,
+            Op.PREFETCH: self._prefetch,
+        }
+
+    def start(self) -> None:
+        try:
+            os.unlink(self.path)  # ours: the daemon holds the socket path's claim
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        listener.bind(self.path)
+        os.chmod(self.path, self._mode)
+        listener.listen(128)
+        self._listener = listener
+        self._accepting = threading.Thread(target=self._accept, name="kvtier-lane", daemon=True)
+        self._accepting.start()
+
+    def stop(self) -> None:
+        """Stop accepting, end every connection (their threads finish the frame they run)."""
+        if self._listener is None:
+            return
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self._listener.close()
+        self._accepting.join()
+        self._listener = None
+        with self._lock:
+            connections = list(self._connections.items())
+        for conn, _ in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes recv()
+            except OSError:
+                pass
+        for _, thread in connections:
+            thread.join()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            with self._lock:
+                if len(self._connections) >= MAX_CONNECTIONS:
+                    self._refuse(conn)
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True)
+                self._connections[conn] = thread
+            thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.send(frames.error(Op.HELLO, 0, _STATUS["UNAVAILABLE"],
+                                       f"the daemon serves {MAX_CONNECTIONS} lane connections already; use gRPC"))
+            except OSError:
+                pass
+
+    # -- one connection -----------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+                process = Process(*peer_credentials(conn))
+                conn.settimeout(HELLO_TIMEOUT_S)
+                bound = self._hello(conn, process)
+                if bound is None:
+                    return
+                conn.settimeout(None)
+                self._frames(conn, *bound)
+        except OSError as exc:
+            log.debug("lane connection ended", extra={"reason": str(exc)})
+        except Exception:
+            log.exception("internal error on a lane connection")
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+
+    def _hello(self, conn: socket.socket, process: Process) -> tuple[str, Caller] | None:
+        """The session this connection serves and the credentials its frames are checked
+        with; None (having answered why) if the HELLO is refused."""
+        seq = 0
+        try:
+            op, flags, seq, body = frames.split(conn.recv(frames.MAX_FRAME))
+            if op is not Op.HELLO:
+                raise InvalidArgument(f"a lane connection starts with HELLO, got {op.name}")
+            hello = frames.read_hello(flags, body)
+            caller = Caller(hello.key, hello.token, None)
+            session = self._sessions.get(hello.session_id, caller)
+            if session.process is None or session.process.pid != process.pid:
+                raise PermissionDenied(
+                    f"session {short_session(session.session_id)} is attached to another process: only the process "
+                    "that attached a session over the handoff socket may use it on the lane"
+                )
+        except FrameError as exc:
+            conn.send(frames.error(Op.HELLO, seq, _STATUS["INVALID_ARGUMENT"], f"malformed HELLO: {exc}"))
+            return None
+        except KVTierError as exc:
+            conn.send(frames.error(Op.HELLO, seq, _STATUS.get(exc.code, _STATUS["UNKNOWN"]), str(exc)))
+            return None
+        conn.send(frames.reply(Op.HELLO, seq))
+        return hello.session_id, caller
+
+    def _frames(self, conn: socket.socket, session_id: str, caller: Caller) -> None:
+        buffer = bytearray(frames.MAX_FRAME)
+        view = memoryview(buffer)
+        while True:
+            size = conn.recv_into(buffer, 0, socket.MSG_TRUNC)  # MSG_TRUNC: the real size, even if cut
+            if size == 0:
+                return  # the client closed it
+            op, seq, answer = self._one(view[: min(size, len(buffer))], size, session_id, caller)
+            if answer is not None:
+                conn.send(answer)
+
+    def _one(self, frame: memoryview, size: int, session_id: str, caller: Caller) -> tuple[Op, int, bytes | None]:
+        """Run one frame: (op, seq, the reply to send, or None for a no-reply Release)."""
+        start = time.perf_counter()
+        op, seq, code = Op.HEARTBEAT, 0, "OK"
+        no_reply = False
+        try:
+            if size > frames.MAX_FRAME:
+                raise InvalidArgument(f"a lane frame is at most {frames.MAX_FRAME} bytes, got {size}; send fewer keys "
+                                      "per call (the client sends larger requests over gRPC)")
+            op, flags, seq, body = frames.split(frame)
+            no_reply = op is Op.RELEASE and bool(flags & frames.NO_REPLY)
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise InvalidArgument(f"{op.name} is not a call on an open lane connection")
+            answer = handler(self._sessions.get(session_id, caller), seq, body)
+            return op, seq, None if no_reply else answer
+        except FrameError as exc:
+            code = "INVALID_ARGUMENT"
+            message = f"malformed {op.name} frame: {exc}"
+        except KVTierError as exc:
+            code = exc.code
+            message = str(exc)
+        except Exception:
+            code = "INTERNAL"
+            log.exception("internal error in lane %s", op.name)
+            message = f"internal error in {op.name}; the daemon log has the details"
+        finally:
+            self._metrics.rpc_duration.labels(op.name.title().replace("_", ""), code, "lane").observe(
+                time.perf_counter() - start)
+        if no_reply:
+            log.info("a Release sent without reply failed", extra={"code": code, "reason": message})
+            return op, seq, None
+        return op, seq, frames.error(op, seq, _STATUS.get(code, _STATUS["UNKNOWN"]), message)
+
+    # -- the calls ----------------------------------------------------------------------
+    def _heartbeat(self, s: Session, seq: int, body: memoryview) -> bytes:
+        frames.done(body, 0)
+        return frames.reply(Op.HEARTBEAT, seq, frames.pack_slots([self._ops.heartbeat(s)]))
+
+    def _lookup(self, s: Session, seq: int, body: memoryview) -> bytes:
+        keys, at = frames.unpack_keys(body)
+        frames.done(body, at)
+        match = self._ops.lookup(s, keys)
+        return frames.reply(Op.LOOKUP, seq, frames.pack_lookup(match.hit_blocks, [tier_to_proto(t) for t in match.tiers]))
+
+    def _borrow(self, s: Session, seq: int, body: memoryview) -> bytes:
+        grant = self._ops.borrow(s, frames.read_u32(body))
+        return frames.reply(Op.BORROW, seq, frames.pack_borrow(grant.lease_id, tier_to_proto(grant.tier), grant.slots))
+
+    def _commit(self, s: Session, seq: int, body: memoryview) -> bytes:
+        lease_id, parent, keys = frames.read_commit(body)
+        outcome = self._ops.commit(s, lease_id, keys, parent)
+        return frames.reply(Op.COMMIT, seq, frames.pack_commit(outcome.committed, outcome.duplicates))
+
+    def _acquire(self, s: Session, seq: int, body: memoryview) -> bytes:
+        tier, wait, deadline_ms, keys = frames.read_acquire(body)
+        return frames.reply(Op.ACQUIRE, seq, frames.pack_acquire(_grant(self._ops.acquire(s, keys, tier, wait, deadline_ms))))
+
+    def _acquire_prefix(self, s: Session, seq: int, body: memoryview) -> bytes:
+        tier, wait, deadline_ms, keys = frames.read_acquire(body)
+        match, grant = self._ops.acquire_prefix(s, keys, tier, wait, deadline_ms)
+        lookup = frames.pack_lookup(match.hit_blocks, [tier_to_proto(t) for t in match.tiers])
+        lease = frames.pack_acquire(_grant(grant) if grant is not None else frames.Grant(0, 0, ()))
+        return frames.reply(Op.ACQUIRE_PREFIX, seq, lookup + lease)
+
+    def _release(self, s: Session, seq: int, body: memoryview) -> bytes:
+        self._ops.release(s, frames.read_u64(body))
+        return frames.reply(Op.RELEASE, seq)
+
+    def _prefetch(self, s: Session, seq: int, body: memoryview) -> bytes:
+        tier, priority, keys = frames.read_prefetch(body)
+        return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority)]))
+
+
+def _grant(grant) -> frames.Grant:
+    """A core ReadGrant as the reply carries it."""
+    event = grant.transfer.ipc_handle if grant.transfer is not None else b""
+    return frames.Grant(grant.lease_id, tier_to_proto(grant.tier), grant.slots, grant.ready, grant.promoted, event)
+
