@@ -491,6 +491,8 @@ class KVTierClient:
         """End a lease: unpin a read lease's pages, free a write lease's uncommitted pages.
         On the fast lane this does not wait for the daemon: it applies the release before
         anything else this thread sends."""
+        if lease.ended and self.is_current(lease.session):
+            raise FailedPrecondition(f"lease {lease.lease_id} has already been released or committed")
         self._for_lease(lease, lambda s: s.path.release(lease.lease_id))
         lease.ended = True
 

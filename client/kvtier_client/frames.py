@@ -33,6 +33,7 @@ MAX_FRAME = 192 << 10
 
 
 class Op(enum.IntEnum):
+    MALFORMED = 0  # only in replies: to a frame whose header could not be read
     HELLO = 1
     LOOKUP = 2
     BORROW = 3
@@ -258,18 +259,20 @@ class Grant:
     ready_event: bytes = b""
 
 
-def pack_lookup(hit_blocks: int, tiers: Sequence[int]) -> bytes:
-    return _U32.pack(hit_blocks) + bytes(tiers)
+def pack_lookup(hit_blocks: int, tiers: bytes) -> bytes:
+    """`tiers`: one proto tier number per hit block (kvtier_client.wire.tiers_to_proto_bytes)."""
+    return _U32.pack(hit_blocks) + tiers
 
 
-def unpack_lookup(body: memoryview, at: int = 0) -> tuple[int, tuple[int, ...], int]:
+def unpack_lookup(body: memoryview, at: int = 0) -> tuple[int, bytes, int]:
+    """(hit_blocks, their proto tier numbers as bytes, the offset after them)."""
     if len(body) < at + 4:
         raise FrameError("a lookup reply starts with hit_blocks")
     (hit,) = _U32.unpack_from(body, at)
     end = at + 4 + hit
     if len(body) < end:
         raise FrameError("a lookup reply's tiers are cut short")
-    return hit, tuple(body[at + 4 : end]), end
+    return hit, bytes(body[at + 4 : end]), end
 
 
 def pack_borrow(lease_id: int, tier: int, slots: Sequence[int]) -> bytes:

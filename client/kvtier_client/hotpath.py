@@ -19,7 +19,7 @@ from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.results import CommitResult, LookupResult
 from kvtier_client.tiers import Tier
-from kvtier_client.wire import tier_from_proto, tier_to_proto
+from kvtier_client.wire import tier_from_proto, tier_to_proto, tiers_from_proto_bytes
 
 log = logging.getLogger("kvtier_client")
 
@@ -237,7 +237,7 @@ class LanePath:
 
 def _lookup_result(body: memoryview) -> tuple[LookupResult, int]:
     hit, tiers, at = frames.unpack_lookup(body)
-    return LookupResult(hit, tuple(tier_from_proto(t) for t in tiers)), at
+    return LookupResult(hit, tiers_from_proto_bytes(tiers)), at
 
 
 def _granted(grant: frames.Grant) -> Granted:

@@ -25,6 +25,25 @@ def tier_from_proto(value: int) -> Tier:
         raise ValueError(f"tier {value} is not a known kvtier.v1.Tier; is the daemon newer than this client?") from None
 
 
+#: Tier -> proto number as a bytes.translate table, and proto number -> Tier by index: the
+#: fast lane sends one byte per tier, and a per-tier call would cost more than the rest.
+_TO_PROTO_BYTES = bytes(_TO_PROTO.get(i, 0) for i in range(256))
+_FROM_PROTO_LIST = [_FROM_PROTO.get(i) for i in range(256)]
+
+
+def tiers_to_proto_bytes(tiers) -> bytes:
+    """Tiers as proto numbers, one byte each."""
+    return bytes(tiers).translate(_TO_PROTO_BYTES)
+
+
+def tiers_from_proto_bytes(data) -> tuple[Tier, ...]:
+    """The inverse; ValueError for a number that is no known tier."""
+    tiers = tuple(map(_FROM_PROTO_LIST.__getitem__, data))
+    if None in tiers:
+        raise ValueError(f"a tier in {bytes(data)!r} is not a known kvtier.v1.Tier; is the daemon newer than this client?")
+    return tiers
+
+
 def layout_to_proto(layout: PageLayout) -> pb.PageLayout:
     return pb.PageLayout(
         layers=layout.layers,

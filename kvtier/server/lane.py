@@ -27,7 +27,7 @@ from kvtier_client import frames
 from kvtier_client.errors import InvalidArgument, KVTierError, PermissionDenied
 from kvtier_client.frames import FrameError, Op
 from kvtier_client.ids import short_session
-from kvtier_client.wire import tier_to_proto
+from kvtier_client.wire import tier_to_proto, tiers_to_proto_bytes
 
 from kvtier.mechanism.keeper import peer_credentials
 from kvtier.server.metrics import Metrics
@@ -45,6 +45,8 @@ MAX_CONNECTIONS = 512
 BUFFER_BYTES = 4 * frames.MAX_FRAME
 
 _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
+#: The metric's method label of each op: the gRPC method's name, so both transports line up.
+_METHOD = {op: "".join(part.title() for part in op.name.split("_")) for op in Op}
 
 
 def lane_path(socket_path: str) -> str:
@@ -64,6 +66,7 @@ class Lane:
         self._accepting: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._timers: dict = {}
         self._handlers: dict[Op, Callable[[Session, int, memoryview], bytes | None]] = {
             Op.HEARTBEAT: self._heartbeat, Op.LOOKUP: self._lookup, Op.BORROW: self._borrow, Op.COMMIT: self._commit,
             Op.ACQUIRE: self._acquire, Op.ACQUIRE_PREFIX: self._acquire_prefix, Op.RELEASE: self._release,
@@ -104,6 +107,14 @@ class Lane:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def _timer(self, op: Op | None, code: str):
+        """The duration histogram's child for (op, code), made once: labels() costs more than
+        a lane call's own bookkeeping."""
+        timer = self._timers.get((op, code))
+        if timer is None:
+            timer = self._timers[(op, code)] = self._metrics.rpc_duration.labels(_METHOD.get(op, "Malformed"), code, "lane")
+        return timer
 
     def connections(self) -> int:
         with self._lock:
@@ -188,11 +199,12 @@ class Lane:
             if answer is not None:
                 conn.send(answer)
 
-    def _one(self, frame: memoryview, size: int, session_id: str, caller: Caller) -> tuple[Op, int, bytes | None]:
-        """Run one frame: (op, seq, the reply to send, or None for a no-reply Release)."""
+    def _one(self, frame: memoryview, size: int, session_id: str, caller: Caller) -> tuple[Op | None, int, bytes | None]:
+        """Run one frame: (op, seq, the reply to send, or None for a no-reply Release). A
+        frame whose header does not decode is answered as op MALFORMED."""
         start = time.perf_counter()
-        op, seq, code = Op.HEARTBEAT, 0, "OK"
-        no_reply = False
+        op: Op | None = None
+        seq, code, no_reply = 0, "OK", False
         try:
             if size > frames.MAX_FRAME:
                 raise InvalidArgument(f"a lane frame is at most {frames.MAX_FRAME} bytes, got {size}; send fewer keys "
@@ -206,21 +218,20 @@ class Lane:
             return op, seq, None if no_reply else answer
         except FrameError as exc:
             code = "INVALID_ARGUMENT"
-            message = f"malformed {op.name} frame: {exc}"
+            message = f"malformed {op.name if op else 'lane'} frame: {exc}"
         except KVTierError as exc:
             code = exc.code
             message = str(exc)
         except Exception:
             code = "INTERNAL"
-            log.exception("internal error in lane %s", op.name)
-            message = f"internal error in {op.name}; the daemon log has the details"
+            log.exception("internal error in lane call %s", op.name if op else "?")
+            message = f"internal error in {op.name if op else 'a lane call'}; the daemon log has the details"
         finally:
-            self._metrics.rpc_duration.labels(op.name.title().replace("_", ""), code, "lane").observe(
-                time.perf_counter() - start)
+            self._timer(op, code).observe(time.perf_counter() - start)
         if no_reply:
             log.info("a Release sent without reply failed", extra={"code": code, "reason": message})
             return op, seq, None
-        return op, seq, frames.error(op, seq, _STATUS.get(code, _STATUS["UNKNOWN"]), message)
+        return op, seq, frames.error(op or Op.MALFORMED, seq, _STATUS.get(code, _STATUS["UNKNOWN"]), message)
 
     # -- the calls ----------------------------------------------------------------------
     def _heartbeat(self, s: Session, seq: int, body: memoryview) -> bytes:
@@ -231,7 +242,7 @@ class Lane:
         keys, at = frames.unpack_keys(body)
         frames.done(body, at)
         match = self._ops.lookup(s, keys)
-        return frames.reply(Op.LOOKUP, seq, frames.pack_lookup(match.hit_blocks, [tier_to_proto(t) for t in match.tiers]))
+        return frames.reply(Op.LOOKUP, seq, frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers)))
 
     def _borrow(self, s: Session, seq: int, body: memoryview) -> bytes:
         grant = self._ops.borrow(s, frames.read_u32(body))
@@ -249,7 +260,7 @@ class Lane:
     def _acquire_prefix(self, s: Session, seq: int, body: memoryview) -> bytes:
         tier, wait, deadline_ms, keys = frames.read_acquire(body)
         match, grant = self._ops.acquire_prefix(s, keys, tier, wait, deadline_ms)
-        lookup = frames.pack_lookup(match.hit_blocks, [tier_to_proto(t) for t in match.tiers])
+        lookup = frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers))
         lease = frames.pack_acquire(_grant(grant) if grant is not None else frames.Grant(0, 0, ()))
         return frames.reply(Op.ACQUIRE_PREFIX, seq, lookup + lease)
 

@@ -197,6 +197,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
+        self.drain.check_open()  # before the session: a draining daemon answers UNAVAILABLE to anyone
         grant = self.ops.borrow(self._session(request.session_id, context), request.count)
         return pb.BorrowResponse(lease_id=grant.lease_id, tier=tier_to_proto(grant.tier), slots=grant.slots)
 
@@ -208,6 +209,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
+        self.drain.check_open()
         s = self._session(request.session_id, context)
         lease = self.ops.acquire(s, list(request.keys), request.tier, request.wait, request.deadline_ms)
         return pb.AcquireResponse(
@@ -223,6 +225,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
+        self.drain.check_open()
         s = self._session(request.session_id, context)
         return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority))
 

@@ -59,18 +59,30 @@ def daemons(tmp_path):
         assert not problems, "\n".join(problems)
 
 
+@pytest.fixture(params=["lane", "grpc"])
+def transport(request) -> str:
+    """Every client test runs on both transports: the fast lane, and gRPC alone."""
+    return request.param
+
+
 @pytest.fixture
-def clients():
-    """`clients(target, **kwargs)` makes a KVTierClient that is closed at teardown."""
+def clients(transport):
+    """`clients(target, **kwargs)` makes a KVTierClient on the test's transport, closed at
+    teardown. A same-host client meant for the lane must really have used it."""
     made: list[KVTierClient] = []
 
     def make(target: str, **kwargs) -> KVTierClient:
+        kwargs.setdefault("lane", transport == "lane")
         client = KVTierClient(target, **kwargs)
         made.append(client)
         return client
 
     try:
         yield make
+        for client in made:
+            session = client._session
+            if session is not None and client.target.startswith("unix:") and client.map_arena and client.lane:
+                assert client.transport == "lane", "a same-host client fell back to gRPC; the daemon log says why"
     finally:
         for client in made:
             client.close()
@@ -79,4 +91,4 @@ def clients():
 @pytest.fixture
 def namespace(request) -> str:
     """A namespace of the test's own, so tests sharing a daemon never see each other's keys."""
-    return f"test/{request.node.name}"
+    return f"test/{request.node.name}".replace("[", "-").replace("]", "")

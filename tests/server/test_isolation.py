@@ -56,7 +56,8 @@ TENANT = textwrap.dedent(
 ATTACKER = textwrap.dedent(
     """
     import array, json, mmap, os, socket, sys  # array: socket.recv_fds imports it, after the uid switch it could not
-    from kvtier_client.errors import KVTierError
+    from kvtier_client import frames
+    from kvtier_client.errors import KVTierError, from_status
     from kvtier_client.handoff import attach
     job = json.loads(sys.argv[1])
     secret = bytes.fromhex(job["secret"])
@@ -89,6 +90,18 @@ ATTACKER = textwrap.dedent(
     refused("keeper socket", lambda: keeper.connect(job["keeper"]))
     refused("attach A's session with B's token", lambda: attach(job["handoff"], job["session_a"], job["token_b"]))
     refused("attach A's session with no token", lambda: attach(job["handoff"], job["session_a"], None))
+
+    def lane_hello(session_id, token):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as lane:
+            lane.settimeout(10)
+            lane.connect(job["lane"])
+            lane.send(frames.hello(1, session_id, "0" * 32, token))
+            _, status, _, body = frames.split(lane.recv(frames.MAX_FRAME))
+            if status:
+                raise from_status(status, bytes(body).decode())
+
+    refused("lane HELLO for A's session with B's token", lambda: lane_hello(job["session_a"], job["token_b"]))
+    refused("lane HELLO for A's session with A's token", lambda: lane_hello(job["session_a"], job["token_a"]))
     own = attach(job["handoff"], job["session_b"], job["token_b"])  # its own session: allowed
     with mmap.mmap(own.arena_fd, own.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as arena:
         found["own arena has the secret"] = secret in arena[:]
@@ -155,7 +168,7 @@ def test_another_tenant_cannot_reach_a_namespaces_memory(open_daemon, tenant_a):
         job = {
             "uid": ATTACKER_UID, "secret": SECRET.hex(), "keeper": str(keeper_socket(open_daemon)),
             "handoff": reply_b.handoff_socket, "session_a": tenant_a["session"], "session_b": reply_b.session_id,
-            "token_b": TOKEN_B, "pids": [open_daemon.proc.pid, _keeper_pid(open_daemon), tenant_a["pid"]],
+            "token_a": TOKEN_A, "token_b": TOKEN_B, "lane": reply_b.lane_socket, "pids": [open_daemon.proc.pid, _keeper_pid(open_daemon), tenant_a["pid"]],
         }
         out = subprocess.run([sys.executable, "-c", ATTACKER, json.dumps(job)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -166,6 +179,8 @@ def test_another_tenant_cannot_reach_a_namespaces_memory(open_daemon, tenant_a):
     assert found["reached"] == [], f"the attacker reached tenant A's memory or metadata through {found['reached']}"
     assert found["refused"]["attach A's session with B's token"] == "PermissionDenied"
     assert found["refused"]["keeper socket"] == "PermissionError"
+    assert found["refused"]["lane HELLO for A's session with B's token"] == "PermissionDenied"
+    assert found["refused"]["lane HELLO for A's session with A's token"] == "PermissionDenied"
     assert found["own arena bytes"] > 0 and found["own arena has the secret"] is False
 
 
