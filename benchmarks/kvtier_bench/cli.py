@@ -17,7 +17,7 @@ from kvtier_bench import trace as trace_bench
 from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
 from kvtier_bench.internals import FsyncPolicy, parse_size
 from kvtier_bench.peers import bench as peers_bench
-from kvtier_bench.rpc import render_rpc, run_rpc_bench
+from kvtier_bench.rpc import render_all, run_rpc
 from kvtier_bench.tiers import DEFAULT_BYTES, DEFAULT_PAGE_SIZES, DEFAULT_REPS, QUICK_BYTES, format_table, run_tiers
 
 
@@ -127,15 +127,37 @@ def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str
 
 
 @bench.command("rpc")
-@click.option("--iterations", type=click.IntRange(min=10), default=1000, show_default=True, help="Timed calls per measurement.")
-@click.option("--keys", "keys_per_call", type=click.IntRange(min=1, max=1024), default=64, show_default=True, help="Keys (pages) per batched call.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def rpc_command(iterations: int, keys_per_call: int, as_json: bool) -> None:
-    """Control-plane latency over the Unix socket: a batched Lookup and Acquire+Release
-    against a bare gRPC echo server measured in the same run (median, p99, ratio), and
-    pages per second through batched Borrow/Commit/Acquire/Release."""
-    result = run_rpc_bench(iterations, keys_per_call)
-    click.echo(json.dumps(result) if as_json else render_rpc(result))
+@click.option("--iterations", type=click.IntRange(min=10), default=1000, show_default=True,
+              help="Timed calls per call and transport (and for each half of the interference figure).")
+@click.option("--keys", "keys_per_call", type=click.IntRange(min=1, max=1024), default=64, show_default=True,
+              help="Keys (pages) per call.")
+@click.option("--processes", "processes", type=click.IntRange(min=1, max=64), multiple=True,
+              help="Client processes of the throughput table; repeatable  [default: 1, 2, 4 and 8]")
+@click.option("--seconds", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Measured seconds per round of the throughput table.")
+@click.option("--clients/--no-clients", "with_clients", default=True, show_default=True,
+              help="The multi-client throughput table.")
+@click.option("--interference/--no-interference", "with_interference", default=True, show_default=True,
+              help="Host-hit latency alone vs while another process loads from disk (disk tier in --dir).")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the interference daemon's disk tier goes  [default: /var/tmp]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def rpc_command(iterations: int, keys_per_call: int, processes: tuple[int, ...], seconds: float, with_clients: bool,
+                with_interference: bool, directory: str | None, as_json: bool) -> None:
+    """The hot calls (Lookup, Acquire+Release, acquire_prefix, Commit+Borrow) over the fast
+    lane and over gRPC, next to a raw SOCK_SEQPACKET echo of the same frame sizes and a bare
+    gRPC echo, measured in the same run (p50, p99, ratios with their targets); page
+    operations per second with 1, 2, 4 and 8 client processes over each transport; and one
+    engine's host-hit latency alone vs while another process loads pages from disk."""
+    try:
+        with _stop_on_sigterm():
+            result = run_rpc(iterations, keys_per_call, processes=(processes or (1, 2, 4, 8)) if with_clients else (),
+                             seconds=seconds, interference=with_interference,
+                             directory=os.path.abspath(directory) if directory else None,
+                             progress=progress_lines(as_json))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result) if as_json else render_all(result))
 
 
 @bench.command("disk")
@@ -176,11 +198,14 @@ def disk_command(pages: int | None, page_sizes: tuple[int, ...], io_depth: int, 
               help="Only these systems; repeatable  [default: all of them]")
 @click.option("--reps", type=click.IntRange(min=1), default=None,
               help=f"Timed repetitions  [default: {peers_bench.DEFAULT_REPS}, {peers_bench.QUICK_REPS} with --quick]")
+@click.option("--batch", type=click.IntRange(min=1, max=1024), default=peers_bench.PEERS_BATCH, show_default=True,
+              help="Pages per call or round trip, the same for every system.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--quick", is_flag=True, help="Fewer pages and repetitions.")
 def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple[str, ...], reps: int | None,
-                  as_json: bool, quick: bool) -> None:
-    """Put and get of KV pages through kvtier (daemon + shared-memory client) next to Redis
+                  batch: int, as_json: bool, quick: bool) -> None:
+    """Put and get of KV pages through kvtier (daemon + shared-memory client, calls over the
+    fast lane; again with lane=False; both against np.copyto of the same bytes) next to Redis
     (as LMCache's remote store), Mooncake Store (master + real client + dummy client),
     LMCache's server and a plain gRPC page store, all on loopback, same pages, same run.
     Prints GB/s and kvtier / peer. Install the peers with scripts/setup_bench_peers.sh; a
@@ -188,7 +213,8 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
     try:
         with _stop_on_sigterm():
             result = peers_bench.run_peers(page_sizes or peers_bench.PAGE_SIZES, pages=pages, quick=quick, reps=reps,
-                                           systems=systems or peers_bench.SYSTEM_NAMES, progress=progress_lines(as_json))
+                                           systems=systems or peers_bench.SYSTEM_NAMES, batch=batch,
+                                           progress=progress_lines(as_json))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result.as_dict()) if as_json else peers_bench.format_table(result))

@@ -89,11 +89,11 @@ def split(frame: bytes | memoryview) -> tuple[Op, int, int, memoryview]:
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     if not keys:
         return _KEYS.pack(0, 0)
-    width = len(keys[0])
-    if 0 < width < 256 and all(len(k) == width for k in keys):
-        return _KEYS.pack(len(keys), width) + b"".join(keys)
-    if any(not 0 < len(k) < 256 for k in keys):
+    lengths = set(map(len, keys))  # in C: a per-key Python check would cost more than the send
+    if min(lengths) < 1 or max(lengths) > 255:
         raise FrameError("keys on the lane are 1 to 255 bytes")
+    if len(lengths) == 1:
+        return _KEYS.pack(len(keys), lengths.pop()) + b"".join(keys)
     return _KEYS.pack(len(keys), 0) + b"".join(bytes((len(k),)) + k for k in keys)
 
 

@@ -6,11 +6,13 @@ same KVTierErrors for the same refusals.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier_client import frames
+from kvtier_client.frames import FrameError
 from kvtier_client.connection import Connection
 from kvtier_client.errors import BorrowAfterCommitError, KVTierError, NotFound
 from kvtier_client.ids import LeaseId, Slot
@@ -148,12 +150,20 @@ class LanePath:
         self._lane = lane
         self._grpc = fallback
 
-    def _fits(self, frame: bytes) -> bool:
-        return len(frame) <= frames.MAX_FRAME
+    @staticmethod
+    def _encode(encode: Callable[[], bytes]) -> bytes | None:
+        """The frame, or None when it cannot go on the lane: over MAX_FRAME, or keys the lane
+        cannot carry (gRPC then gives the daemon's own answer, INVALID_ARGUMENT for a bad key)."""
+        try:
+            frame = encode()
+        except (FrameError, struct.error):  # struct: a count or id out of its field's range
+            return None
+        return frame if len(frame) <= frames.MAX_FRAME else None
 
-    def _call(self, frame: bytes, timeout: float | None = None) -> memoryview | None:
-        """The reply body, or None when the frame must go over gRPC."""
-        if not self._fits(frame):
+    def _call(self, encode: Callable[[], bytes], timeout: float | None = None) -> memoryview | None:
+        """The reply body, or None when the request must go over gRPC."""
+        frame = self._encode(encode)
+        if frame is None:
             return None
         try:
             return self._lane.call(frame, timeout=timeout)
@@ -162,21 +172,21 @@ class LanePath:
             return None
 
     def heartbeat(self, timeout: float) -> int:
-        body = self._call(frames.heartbeat(0), timeout)
+        body = self._call(lambda: frames.heartbeat(0), timeout)
         return self._grpc.heartbeat(timeout) if body is None else frames.read_u32(body)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        body = self._call(frames.lookup(0, keys))
+        body = self._call(lambda: frames.lookup(0, keys))
         if body is None:
             return self._grpc.lookup(keys)
         return _lookup_result(body)[0]
 
     def borrow(self, count: int) -> Granted:
-        body = self._call(frames.borrow(0, count))
+        body = self._call(lambda: frames.borrow(0, count))
         return self._grpc.borrow(count) if body is None else _granted(frames.unpack_borrow(body))
 
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult:
-        body = self._call(frames.commit(0, lease_id, keys, parent))
+        body = self._call(lambda: frames.commit(0, lease_id, keys, parent))
         return self._grpc.commit(lease_id, keys, parent) if body is None else CommitResult(*frames.unpack_commit(body))
 
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
@@ -184,8 +194,8 @@ class LanePath:
         """Both frames sent back to back: one round trip. A Commit refused raises its error
         (the Borrow granted with it is released); a Borrow refused after a Commit that
         happened raises BorrowAfterCommitError, which carries the commit's result."""
-        commit = frames.commit(0, lease_id, keys, parent)
-        if not self._fits(commit):
+        commit = self._encode(lambda: frames.commit(0, lease_id, keys, parent))
+        if commit is None:
             return self._grpc.commit_and_borrow(lease_id, keys, parent, count)
         try:
             committed, granted = self._lane.pipeline([commit, frames.borrow(0, count)])
@@ -202,14 +212,14 @@ class LanePath:
         return result, _granted(frames.unpack_borrow(granted))
 
     def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted:
-        body = self._call(frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms), timeout)
+        body = self._call(lambda: frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms), timeout)
         if body is None:
             return self._grpc.acquire(keys, tier, wait, deadline_ms, timeout)
         return _granted(frames.unpack_acquire(body))
 
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]:
-        body = self._call(frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms, prefix=True), timeout)
+        body = self._call(lambda: frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms, prefix=True), timeout)
         if body is None:
             return self._grpc.acquire_prefix(keys, tier, wait, deadline_ms, timeout)
         found, at = _lookup_result(body)
@@ -225,7 +235,7 @@ class LanePath:
             self._grpc.release(lease_id)
 
     def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
-        body = self._call(frames.prefetch(0, keys, tier_to_proto(tier), priority))
+        body = self._call(lambda: frames.prefetch(0, keys, tier_to_proto(tier), priority))
         return self._grpc.prefetch(keys, tier, priority) if body is None else frames.read_u32(body)
 
     def sync(self) -> None:

@@ -35,6 +35,8 @@ class _Connection:
     seq: int = 0
     unanswered: int = 0  # frames sent with no reply asked for, not yet followed by a reply
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Replies land here: recv() of a MAX_FRAME buffer would allocate (and map) it every call.
+    buffer: bytearray = field(default_factory=lambda: bytearray(frames.MAX_FRAME))
 
 
 class Lane:
@@ -110,7 +112,7 @@ class Lane:
 
     def _answer(self, conn: _Connection, request: bytes, seq: int, timeout: float | None) -> memoryview | KVTierError:
         try:
-            data = conn.sock.recv(frames.MAX_FRAME)
+            size = conn.sock.recv_into(conn.buffer)
         except socket.timeout:
             self._drop(conn)  # a late reply would be read as the next call's
             error = KVTierError(f"no reply on the fast lane within {timeout or self.timeout:g}s")
@@ -119,11 +121,11 @@ class Lane:
         except OSError as exc:
             self._drop(conn)
             raise LaneLost(f"the daemon ended the fast lane during a call ({exc})") from exc
-        if not data:
+        if not size:
             self._drop(conn)
             raise LaneLost("the daemon closed the fast lane during a call (stopped or restarted?)")
         try:
-            op, status, got, body = frames.split(data)
+            op, status, got, body = frames.split(bytes(conn.buffer[:size]))
         except FrameError as exc:
             self._drop(conn)
             raise KVTierError(f"the daemon sent a malformed lane frame ({exc}); daemon and client disagree") from exc

@@ -47,6 +47,7 @@ def _trace(tmp_path) -> str:
 
 def _tiny(tmp_path, bench_dir) -> Settings:
     return Settings(page_sizes=(64 * 1024,), tiers_pages=4, tiers_reps=1, rpc_iterations=20, rpc_keys=4,
+                    rpc_processes=(1,), rpc_seconds=0.2, rpc_interference=False,
                     peers_pages=4, peers_reps=1, peers_systems=("kvtier", "grpc"), trace_path=_trace(tmp_path),
                     trace_capacities=(2, 4), directory=str(bench_dir))
 
@@ -79,11 +80,17 @@ def test_all_on_tiny_sizes_writes_json_markdown_and_every_plot(tmp_path_factory,
     peers = saved["sections"]["peers"]["result"]
     assert [r["system"] for r in peers["rows"]] == ["kvtier", "grpc"]
     assert saved["sections"]["trace"]["result"]["points"][0]["host_pages"] == 2
+    rpc = saved["sections"]["rpc"]["result"]
+    assert rpc["latency"]["transports"] == {"lane": "lane", "grpc": "grpc"}
+    assert [r["processes"] for r in rpc["clients"]["rounds"]] == [1, 1] and "interference" not in rpc
 
     targets = saved["targets"]
     assert {t["section"] for t in targets} == {"tiers", "rpc", "peers", "e2e"}
     assert all(t["met"] in (True, False, None) for t in targets)
     assert any(t["section"] == "peers" and t["met"] is None and t["note"] for t in targets)  # no 2 MiB pages here
+    rpc_targets = [t["what"] for t in targets if t["section"] == "rpc"]
+    assert "Lookup (4 keys) lane p50" in rpc_targets and "page ops/s, 4 processes, lane" not in rpc_targets
+    assert any(t["section"] == "peers" and "np.copyto" in t["target"] and t["measured"] > 0 for t in targets)
 
     md = (out / "results.md").read_text()
     for needle in ("## Targets", "![tiers](tiers.png)", "![peers](peers.png)", "![trace](trace.png)",

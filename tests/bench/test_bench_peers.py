@@ -134,3 +134,35 @@ def test_cli_json_and_unknown_system():
 
     bad = CliRunner().invoke(main, ["bench", "peers", "--system", "memcached"])
     assert bad.exit_code == 2 and "kvtier" in bad.output
+
+
+def test_kvtier_over_the_lane_and_over_grpc_against_np_copyto(bench_dir):
+    result = run_peers([KIB64], pages=8, reps=1, systems=("kvtier", "kvtier-grpc"), directory=str(bench_dir), batch=4)
+
+    assert result.batch == 4
+    lane, slow = _row(result, "kvtier"), _row(result, "kvtier-grpc")
+    for row in (lane, slow):
+        assert row.ran and _positive(row.copyto_put) and _positive(row.copyto_get)
+        for op in ("put", "get"):
+            assert math.isfinite(result.over_copyto(row, op)) and result.over_copyto(row, op) > 0
+    assert result.best_peer(KIB64, "put") is None  # both are kvtier's own rows
+    assert result.lane_over_grpc(KIB64, "get") == pytest.approx(lane.get.pages_per_s / slow.get.pages_per_s)
+    data = result.as_dict()
+    assert data["rows"][0]["over_copyto_put"] > 0 and data["lane_over_grpc"]["64 KiB put"] > 0
+    assert data["copyto_targets"] == {"64 KiB": 0.6, "2 MiB": 0.9}
+    table = format_table(result)
+    assert "kvtier / np.copyto 64 KiB: put" in table and "(target >= 0.6)" in table and "lane/gRPC put" in table
+    assert "kvtier / np.copyto" in format_markdown(result)
+
+
+def test_the_kvtier_store_uses_the_transport_it_names(bench_dir):
+    from kvtier_bench.harness import layout_for
+    from kvtier_bench.peers.kvtier import KvtierPages
+
+    _, layout = layout_for(KIB64)
+    for lane, transport in ((True, "lane"), (False, "grpc")):
+        with KvtierPages(bench_dir / transport, layout, 4, lane=lane) as store:
+            assert store.client.transport == transport
+        import shutil
+
+        shutil.rmtree(bench_dir / transport)

@@ -1,10 +1,11 @@
 """Peers benchmark: kvtier next to the stores engines use for KV pages today, on loopback.
 
 Every system moves the same pages (same sizes, same number, same engine-owned numpy
-buffers) in the same run, and each figure is also given as kvtier / peer:
+buffers, PEERS_BATCH = 64 pages per call or round trip unless --batch says otherwise) in the
+same run, and each figure is also given as kvtier / peer:
 
     system            put (engine page -> store)                 get (store -> engine buffer)
-    kvtier            borrow 16, np.copyto into the mapped       acquire 16, np.copyto the mapped
+    kvtier            borrow a batch, np.copyto into the mapped       acquire a batch, np.copyto the mapped
                       arena pages, commit (daemon subprocess,    pages into the engine buffer,
                       client over its Unix socket)               release
     Redis             SET per page, 16 per pipeline round trip   GET per page, 16 per pipeline,
@@ -21,6 +22,7 @@ buffers) in the same run, and each figure is also given as kvtier / peer:
                       own venv: see kvtier_bench/lmcache_driver.py
     gRPC              a bare gRPC page store (kvtier_bench/peers/grpc.py): one unary call per
                       page, 16 in flight, TCP 127.0.0.1
+    kvtier over gRPC  kvtier again with KVTierClient(lane=False): the fast lane's gain, a reference row
     kvtier RemotePages kvtier's own slow path for a client on another host (WritePages /
                       ReadPages streams through the daemon), a reference row
 
@@ -29,7 +31,8 @@ repetitions then rotate the order of the systems. kvtier gets a fresh daemon who
 tier holds exactly the pages moved for every repetition, so it never evicts (the peers have
 room too: Redis and the gRPC store are flushed, Mooncake's objects removed, LMCache's
 server overwrites the same keys). Every get is checked byte for byte outside the timing.
-A system that cannot run (not installed, does not start, needs CUDA) keeps its row with
+kvtier's rows also time np.copyto of the same bytes into and out of the same arena slots
+(kvtier / np.copyto). A system that cannot run (not installed, does not start, needs CUDA) keeps its row with
 the reason instead of numbers. Peers are not kvtier dependencies:
 scripts/setup_bench_peers.sh installs them.
 
@@ -98,28 +101,35 @@ class System:
 # -- the systems, in table order ------------------------------------------------
 SYSTEMS: tuple[System, ...] = (
     System("kvtier", "kvtier (daemon + shared-memory client)",
-           "borrow/commit, acquire/release of 16; np.copyto into / out of the mapped arena",
+           "borrow/commit, acquire/release of a batch over the fast lane; np.copyto into / out of the mapped arena",
            lambda c: kvtier.KvtierStore(c, False), reference=True, version=kvtier.version),
+    System("kvtier-grpc", "kvtier, calls over gRPC (lane=False)",
+           "the same as kvtier with every call over gRPC instead of the fast lane",
+           lambda c: kvtier.KvtierStore(c, False, lane=False), reference=True, version=kvtier.version),
     System("redis", "Redis as LMCache's remote store",
-           "SET / GET per page, 16 per pipeline, TCP loopback; reply copied into the engine buffer", redis.RedisStore,
+           "SET / GET per page, a batch per pipeline, TCP loopback; reply copied into the engine buffer", redis.RedisStore,
            version=redis.version),
     System("mooncake", "Mooncake Store, zero-copy",
-           "dummy client + mooncake_client: batch_put_from / batch_get_into of 16, engine buffers in its shared pool",
+           "dummy client + mooncake_client: batch_put_from / batch_get_into of a batch, engine buffers in its shared pool",
            lambda c: mooncake.MooncakeStore(c, True), version=mooncake.version),
     System("mooncake-bytes", "Mooncake Store, bytes",
-           "dummy client + mooncake_client: put_batch / get_batch of 16, reply copied into the engine buffer",
+           "dummy client + mooncake_client: put_batch / get_batch of a batch, reply copied into the engine buffer",
            lambda c: mooncake.MooncakeStore(c, False), version=mooncake.version),
     System("lmcache", "LMCache server (cpu)",
            "LocalCPUBackend + LMCServerConnector (lm://), TCP loopback, one page per message",
            lambda c: lmcache.LMCacheStore(c, LMCACHE_VENV), version=lambda: lmcache.version(LMCACHE_VENV)),
     System("grpc", "plain gRPC page store",
-           "one unary call per page, 16 in flight, TCP loopback; reply copied into the engine buffer", grpc.GrpcStore,
+           "one unary call per page, a batch in flight, TCP loopback; reply copied into the engine buffer", grpc.GrpcStore,
            version=grpc.version),
     System("kvtier-remote", "kvtier RemotePages (gRPC slow path)",
-           "borrow/commit, acquire/release of 16 with WritePages / ReadPages streams through the daemon",
+           "borrow/commit, acquire/release of a batch with WritePages / ReadPages streams through the daemon",
            lambda c: kvtier.KvtierStore(c, True), reference=True, version=kvtier.version),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
+#: Pages per call or round trip: a 1,024-token request in 16-token blocks.
+PEERS_BATCH = 64
+#: kvtier put and get / np.copyto of the same bytes into and out of the same arena slots.
+COPYTO_TARGETS = {64 * KiB: 0.6, 2 * MiB: 0.9}
 
 
 # -- results --------------------------------------------------------------------
@@ -135,6 +145,8 @@ class PeerRow:
     put: Rate | None = None
     get: Rate | None = None
     reason: str | None = None  # why there are no numbers
+    copyto_put: Rate | None = None  # np.copyto of the same bytes into the same arena slots (kvtier rows)
+    copyto_get: Rate | None = None
 
     @property
     def ran(self) -> bool:
@@ -159,6 +171,22 @@ class PeersResult:
             return None
         return getattr(ref, op).pages_per_s / getattr(row, op).pages_per_s
 
+    def over_copyto(self, row: PeerRow, op: str) -> float | None:
+        """This row's throughput / np.copyto of the same bytes (kvtier rows that map the arena)."""
+        base = getattr(row, f"copyto_{op}")
+        if base is None or not row.ran:
+            return None
+        return getattr(row, op).pages_per_s / base.pages_per_s
+
+    def lane_over_grpc(self, page_bytes: int, op: str) -> float | None:
+        """kvtier's throughput over the fast lane / with every call over gRPC."""
+        grpc_row = next((r for r in self.rows if r.system == "kvtier-grpc" and r.page_bytes == page_bytes and r.ran),
+                        None)
+        ref = self.kvtier(page_bytes)
+        if ref is None or grpc_row is None:
+            return None
+        return getattr(ref, op).pages_per_s / getattr(grpc_row, op).pages_per_s
+
     def best_peer(self, page_bytes: int, op: str) -> PeerRow | None:
         """The fastest system that is not kvtier's own, for one page size and op."""
         peers = [r for r in self.rows if r.page_bytes == page_bytes and r.ran and not r.reference]
@@ -174,6 +202,9 @@ class PeersResult:
                 rate = getattr(r, op)
                 row[op] = rate.as_dict() if rate else None
                 row[f"kvtier_over_{op}"] = self.ratio(r, op)
+                base = getattr(r, f"copyto_{op}")
+                row[f"copyto_{op}"] = base.as_dict() if base else None
+                row[f"over_copyto_{op}"] = self.over_copyto(r, op)
             rows.append(row)
         sizes = sorted({r.page_bytes for r in self.rows})
         best = {}
@@ -182,8 +213,10 @@ class PeersResult:
                 peer = self.best_peer(size, op)
                 best[f"{format_size(size)} {op}"] = (
                     {"system": peer.system, "kvtier_over_peer": self.ratio(peer, op)} if peer else None)
+        lane = {f"{format_size(size)} {op}": self.lane_over_grpc(size, op) for size in sizes for op in ("put", "get")}
         return {"date": self.date, "machine": self.machine, "reps": self.reps, "batch": self.batch, "rows": rows,
-                "best_peer": best}
+                "best_peer": best, "lane_over_grpc": lane,
+                "copyto_targets": {format_size(k): v for k, v in COPYTO_TARGETS.items()}}
 
 
 def default_pages(page_bytes: int, quick: bool) -> int:
@@ -227,7 +260,7 @@ def run_peers(
     reps: int | None = None,
     systems: Sequence[str] = SYSTEM_NAMES,
     directory: str | None = None,
-    batch: int = BATCH,
+    batch: int = PEERS_BATCH,
     progress: Callable[[str], None] = lambda message: None,
 ) -> PeersResult:
     """Measure every system in `systems` on every page size; `pages` per size defaults to
@@ -260,6 +293,7 @@ def run_peers(
                 stores: dict[str, PageStore] = {}
                 reasons: dict[str, str] = {}
                 samples: dict[str, tuple[list[float], list[float]]] = {}
+                copyto: dict[str, tuple[list[float], list[float]]] = {}
                 try:
                     for system in chosen:
                         progress(f"{format_size(size)}: starting {system.label}")
@@ -286,6 +320,7 @@ def run_peers(
                                 t_get = timed(partial(store.get, rep))
                                 if landing is not None:
                                     verify(engine, landing, n_pages, name)
+                                base = store.baseline(rep) if hasattr(store, "baseline") else None
                             except Exception as exc:  # noqa: BLE001 - the row says why
                                 reasons[name] = f"failed during {what}: {_unavailable_reason(exc)}"
                                 progress(f"{format_size(size)}: {name} {reasons[name]}")
@@ -294,6 +329,10 @@ def run_peers(
                             if rep > 0:
                                 samples[name][0].append(t_put)
                                 samples[name][1].append(t_get)
+                                if base is not None:
+                                    copyto.setdefault(name, ([], []))
+                                    copyto[name][0].append(base[0])
+                                    copyto[name][1].append(base[1])
                 finally:
                     for name, store in stores.items():
                         try:
@@ -306,8 +345,11 @@ def run_peers(
                         rows.append(PeerRow(system.name, system.label, system.path, system.reference, system.version(),
                                             size, n_pages, reason=reasons.get(system.name, "no repetition finished")))
                     else:
+                        base_puts, base_gets = copyto.get(system.name, ([], []))
                         rows.append(PeerRow(system.name, system.label, system.path, system.reference, system.version(),
-                                            size, n_pages, median_rate(n_pages, size, puts), median_rate(n_pages, size, gets)))
+                                            size, n_pages, median_rate(n_pages, size, puts), median_rate(n_pages, size, gets),
+                                            copyto_put=median_rate(n_pages, size, base_puts) if base_puts else None,
+                                            copyto_get=median_rate(n_pages, size, base_gets) if base_gets else None))
                 del engine, sink
     finally:
         servers.close()
@@ -355,7 +397,31 @@ def format_table(result: PeersResult) -> str:
             peer = result.best_peer(size, op)
             if peer is not None and result.ratio(peer, op) is not None:
                 lines.append(f"best peer {format_size(size)} {op}: {peer.label}, kvtier/peer {result.ratio(peer, op):.2f}")
+    lines += copyto_lines(result)
     return "\n".join(lines)
+
+
+def copyto_lines(result: PeersResult) -> list[str]:
+    """kvtier's put and get against np.copyto of the same bytes, and the lane against gRPC."""
+    out = []
+    for size in sorted({r.page_bytes for r in result.rows}):
+        row = result.kvtier(size)
+        if row is None or row.copyto_put is None:
+            continue
+        target = COPYTO_TARGETS.get(size)
+        cells = []
+        for op in ("put", "get"):
+            ratio = result.over_copyto(row, op)
+            mark = "" if target is None else (" ok" if ratio >= target else " MISS")
+            cells.append(f"{op} {ratio:.2f}{mark} ({getattr(row, 'copyto_' + op).gb_per_s:.2f} GB/s copyto)")
+        lane = [result.lane_over_grpc(size, op) for op in ("put", "get")]
+        lane_text = "" if None in lane else f"; lane/gRPC put {lane[0]:.2f} get {lane[1]:.2f}"
+        out.append(f"kvtier / np.copyto {format_size(size)}: {', '.join(cells)}"
+                   f"{'' if target is None else f' (target >= {target:g})'}{lane_text}")
+    if out:
+        out.insert(0, f"kvtier / np.copyto of the same bytes into and out of the same arena slots, "
+                      f"{result.batch} pages per request:")
+    return out
 
 
 def format_markdown(result: PeersResult) -> str:
@@ -366,4 +432,7 @@ def format_markdown(result: PeersResult) -> str:
             lines.append(f"| {page} | {name} | {note.replace('|', '/')} | | | |")
         else:
             lines.append(f"| {page} | {name} | {put} | {get} | {rput} | {rget} |")
+    extra = copyto_lines(result)
+    if extra:
+        lines += [""] + [f"- {line}" if i else line for i, line in enumerate(extra)]
     return "\n".join(lines)

@@ -1,9 +1,11 @@
 """Pages through the real thing: a `kvtier serve` subprocess and a `KVTierClient` that maps
 its host arena, the way an engine on the same host uses kvtier.
 
-    put  borrow 16 pages, np.copyto the engine's page bytes into each lease page view
-         (the client's shared-memory mapping), commit under 16 keys
-    get  acquire 16 keys, np.copyto each lease page view into the engine's buffer, release
+    put  borrow a batch of pages, np.copyto the engine's page bytes into each lease page view
+         (the client's shared-memory mapping), commit under the batch's keys
+    get  acquire a batch of keys, np.copyto each lease page view into the engine's buffer, release
+
+The calls go over the daemon's fast lane (the default client) or, with lane=False, gRPC.
 
 `KvtierPages` is that store; `KvtierStore` is the peers benchmark's PageStore over it (the
 kvtier rows, the mapping or, with `remote`, the gRPC slow path), and the tiers benchmark's
@@ -25,7 +27,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.remote import RemotePages
 from kvtier_client.views import HostArenaView
 
-from kvtier_bench.harness import BATCH, batches, package_version
+from kvtier_bench.harness import BATCH, batches, package_version, timed
 from kvtier_bench.peers.base import Context, page_key
 from kvtier_bench.services import kvtier_daemon
 
@@ -45,7 +47,7 @@ class KvtierPages:
     """
 
     def __init__(self, workdir: Path, layout: PageLayout, pages: int, *, remote: bool = False,
-                 batch: int = BATCH) -> None:
+                 batch: int = BATCH, lane: bool = True) -> None:
         self.workdir = workdir
         self.layout = layout
         self.pages = pages
@@ -53,8 +55,11 @@ class KvtierPages:
         self.batch = batch  # pages per borrow / acquire
         self.service, target = kvtier_daemon(workdir, host_bytes=pages * layout.slot_bytes)
         try:
-            self.client = KVTierClient(target, name="kvtier-bench", map_arena=not remote)
+            self.client = KVTierClient(target, name="kvtier-bench", map_arena=not remote, lane=lane)
             self.client.register(NAMESPACE, layout)
+            if not remote and self.client.transport != ("lane" if lane else "grpc"):
+                raise RuntimeError(f"the client's calls go over {self.client.transport}, not "
+                                   f"{'the lane' if lane else 'gRPC'}")
             self.remote_pages = RemotePages(self.client) if remote else None
         except BaseException:
             self.service.stop()
@@ -122,17 +127,20 @@ class KvtierPages:
 
 
 class KvtierStore:
-    """A fresh daemon per repetition (host tier = the pages moved), the client's mapping or its gRPC slow path."""
+    """A fresh daemon per repetition (host tier = the pages moved), the client's mapping or its
+    gRPC slow path; the hot calls over the fast lane (the default client) or, with
+    lane=False, over gRPC."""
 
-    def __init__(self, ctx: Context, remote: bool) -> None:
-        self.ctx, self.remote = ctx, remote
+    def __init__(self, ctx: Context, remote: bool, lane: bool = True) -> None:
+        self.ctx, self.remote, self.lane = ctx, remote, lane
         self.store: KvtierPages | None = None
         self.prepare(-1)  # fail now if the daemon cannot start
 
     def prepare(self, rep: int) -> None:
         self.close()
-        workdir = self.ctx.workdir / f"kvtier{'-remote' if self.remote else ''}-{rep + 1}"
-        self.store = KvtierPages(workdir, self.ctx.layout, self.ctx.pages, remote=self.remote, batch=self.ctx.batch)
+        workdir = self.ctx.workdir / f"kvtier{'-remote' if self.remote else ''}{'' if self.lane else '-grpc'}-{rep + 1}"
+        self.store = KvtierPages(workdir, self.ctx.layout, self.ctx.pages, remote=self.remote, batch=self.ctx.batch,
+                                 lane=self.lane)
         self.store.warm()
 
     def put(self, rep: int) -> None:
@@ -140,6 +148,25 @@ class KvtierStore:
 
     def get(self, rep: int) -> None:
         self.store.get(rep, self.ctx.sink)
+
+    def baseline(self, rep: int) -> tuple[float, float] | None:
+        """(put, get) seconds of np.copyto of the same bytes into and out of the same arena slots
+        the last put used, page by page, through this process's mapping: what the put and get
+        would cost with no daemon and no calls. None for the remote store (no mapping)."""
+        if self.remote:
+            return None
+        store, ctx = self.store, self.ctx
+        arena, ring = store.arena(), ctx.ring
+
+        def put() -> None:
+            for i, slot in enumerate(store.slots):
+                np.copyto(arena.raw(slot, writable=True), ctx.engine[i % ring])
+
+        def get() -> None:
+            for i, slot in enumerate(store.slots):
+                np.copyto(ctx.sink[i % ring], arena.raw(slot, writable=False))
+
+        return timed(put), timed(get)
 
     def close(self) -> None:
         if self.store is not None:
