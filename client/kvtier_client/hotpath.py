@@ -251,5 +251,6 @@ def _lookup_result(body: memoryview) -> tuple[LookupResult, int]:
 
 
 def _granted(grant: frames.Grant) -> Granted:
-    return Granted(LeaseId(grant.lease_id), tier_from_proto(grant.tier), _slots(grant.slots), grant.ready,
+    # frames gives slots as a tuple of ints already (Slot is a NewType: the same ints).
+    return Granted(LeaseId(grant.lease_id), tier_from_proto(grant.tier), grant.slots, grant.ready,
                    grant.promoted, grant.ready_event)
