@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import json
 import logging
-import os
 import socket
 import threading
 
@@ -20,6 +19,7 @@ from kvtier_client.errors import InvalidArgument, KVTierError
 from kvtier_client.handoff import MESSAGE_BYTES
 
 from kvtier.mechanism.keeper import peer_credentials
+from kvtier.server.listener import SeqpacketListener
 from kvtier.server.sessions import Process, SessionManager
 
 log = logging.getLogger(__name__)
@@ -40,44 +40,18 @@ class Handoff:
     def __init__(self, path: str, sessions: SessionManager, mode: int = 0o660) -> None:
         self.path = path
         self._sessions = sessions
-        self._mode = mode
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self._listener = SeqpacketListener(path, mode, "kvtier-handoff", self._accept, backlog=64)
         self._slots = threading.BoundedSemaphore(MAX_ATTACHING)
 
     def start(self) -> None:
-        try:
-            os.unlink(self.path)  # ours: the daemon holds the socket path's claim
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        listener.bind(self.path)
-        os.chmod(self.path, self._mode)
-        listener.listen(64)
-        self._listener = listener
-        self._thread = threading.Thread(target=self._accept, name="kvtier-handoff", daemon=True)
-        self._thread.start()
+        self._listener.start()
 
     def stop(self) -> None:
-        if self._listener is None:
-            return
-        self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self._listener.close()
-        self._thread.join()
-        self._listener = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._listener.stop()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # stopped
-            self._slots.acquire()
-            threading.Thread(target=self._serve, args=(conn,), name="kvtier-attach", daemon=True).start()
+    def _accept(self, conn: socket.socket) -> None:
+        self._slots.acquire()
+        threading.Thread(target=self._serve, args=(conn,), name="kvtier-attach", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -16,7 +16,6 @@ A client opens one connection per calling thread, so each thread's calls keep th
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ from kvtier_client.ids import short_session
 from kvtier_client.wire import tier_to_proto, tiers_to_proto_bytes
 
 from kvtier.mechanism.keeper import peer_credentials
+from kvtier.server.listener import SeqpacketListener
 from kvtier.server.metrics import Metrics
 from kvtier.server.ops import HotOps
 from kvtier.server.sessions import Caller, Process, Session, SessionManager
@@ -58,12 +58,10 @@ class Lane:
 
     def __init__(self, path: str, sessions: SessionManager, ops: HotOps, metrics: Metrics, mode: int = 0o660) -> None:
         self.path = path
+        self._listener = SeqpacketListener(path, mode, "kvtier-lane", self._accept)
         self._sessions = sessions
         self._ops = ops
         self._metrics = metrics
-        self._mode = mode
-        self._listener: socket.socket | None = None
-        self._accepting: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._timers: dict = {}
@@ -74,26 +72,12 @@ class Lane:
         }
 
     def start(self) -> None:
-        try:
-            os.unlink(self.path)  # ours: the daemon holds the socket path's claim
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        listener.bind(self.path)
-        os.chmod(self.path, self._mode)
-        listener.listen(128)
-        self._listener = listener
-        self._accepting = threading.Thread(target=self._accept, name="kvtier-lane", daemon=True)
-        self._accepting.start()
+        self._listener.start()
 
     def stop(self) -> None:
         """Stop accepting, end every connection (their threads finish the frame they run)."""
-        if self._listener is None:
+        if not self._listener.stop():
             return
-        self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self._listener.close()
-        self._accepting.join()
-        self._listener = None
         with self._lock:
             connections = list(self._connections.items())
         for conn, _ in connections:
@@ -103,10 +87,6 @@ class Lane:
                 pass
         for _, thread in connections:
             thread.join()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def _timer(self, op: Op | None, code: str):
         """The duration histogram's child for (op, code), made once: labels() costs more than
@@ -120,19 +100,14 @@ class Lane:
         with self._lock:
             return len(self._connections)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # stopped
-            with self._lock:
-                if len(self._connections) >= MAX_CONNECTIONS:
-                    self._refuse(conn)
-                    continue
-                thread = threading.Thread(target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True)
-                self._connections[conn] = thread
-            thread.start()
+    def _accept(self, conn: socket.socket) -> None:
+        with self._lock:
+            if len(self._connections) >= MAX_CONNECTIONS:
+                self._refuse(conn)
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True)
+            self._connections[conn] = thread
+        thread.start()
 
     def _refuse(self, conn: socket.socket) -> None:
         with conn:
