@@ -8,7 +8,7 @@ Prefetch, Heartbeat); Register, Stats, admin and remote clients stay on gRPC.
 A connection serves one session. Its first frame is a HELLO naming the session, its key
 and the token that opened it; the kernel names the connecting process (SO_PEERCRED), which
 must be the one that attached the session over the handoff socket. Every later frame is
-checked against the session again (SessionManager.get: the session still open, its token
+checked against the session again (SessionManager.still: the session still open, its token
 still granted), and runs on the connection's own thread, in the order sent: a Release
 sent without waiting for its reply is applied before the next frame of that connection.
 A client opens one connection per calling thread, so each thread's calls keep their order.
@@ -125,11 +125,11 @@ class Lane:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
                 process = Process(*peer_credentials(conn))
                 conn.settimeout(HELLO_TIMEOUT_S)
-                bound = self._hello(conn, process)
-                if bound is None:
+                session = self._hello(conn, process)
+                if session is None:
                     return
                 conn.settimeout(None)
-                self._frames(conn, *bound)
+                self._frames(conn, session)
         except OSError as exc:
             log.debug("lane connection ended", extra={"reason": str(exc)})
         except Exception:
@@ -138,9 +138,9 @@ class Lane:
             with self._lock:
                 self._connections.pop(conn, None)
 
-    def _hello(self, conn: socket.socket, process: Process) -> tuple[str, Caller] | None:
-        """The session this connection serves and the credentials its frames are checked
-        with; None (having answered why) if the HELLO is refused."""
+    def _hello(self, conn: socket.socket, process: Process) -> Session | None:
+        """The session this connection serves, its credentials checked; None (having
+        answered why) if the HELLO is refused."""
         seq = 0
         try:
             op, flags, seq, body = frames.split(conn.recv(frames.MAX_FRAME))
@@ -161,20 +161,20 @@ class Lane:
             conn.send(frames.error(Op.HELLO, seq, _STATUS.get(exc.code, _STATUS["UNKNOWN"]), str(exc)))
             return None
         conn.send(frames.reply(Op.HELLO, seq))
-        return hello.session_id, caller
+        return session
 
-    def _frames(self, conn: socket.socket, session_id: str, caller: Caller) -> None:
+    def _frames(self, conn: socket.socket, session: Session) -> None:
         buffer = bytearray(frames.MAX_FRAME)
         view = memoryview(buffer)
         while True:
             size = conn.recv_into(buffer, 0, socket.MSG_TRUNC)  # MSG_TRUNC: the real size, even if cut
             if size == 0:
                 return  # the client closed it
-            op, seq, answer = self._one(view[: min(size, len(buffer))], size, session_id, caller)
+            op, seq, answer = self._one(view[: min(size, len(buffer))], size, session)
             if answer is not None:
                 conn.send(answer)
 
-    def _one(self, frame: memoryview, size: int, session_id: str, caller: Caller) -> tuple[Op | None, int, bytes | None]:
+    def _one(self, frame: memoryview, size: int, session: Session) -> tuple[Op | None, int, bytes | None]:
         """Run one frame: (op, seq, the reply to send, or None for a no-reply Release). A
         frame whose header does not decode is answered as op MALFORMED."""
         start = time.perf_counter()
@@ -189,7 +189,7 @@ class Lane:
             handler = self._handlers.get(op)
             if handler is None:
                 raise InvalidArgument(f"{op.name} is not a call on an open lane connection")
-            answer = handler(self._sessions.get(session_id, caller), seq, body)
+            answer = handler(self._sessions.still(session), seq, body)
             return op, seq, None if no_reply else answer
         except FrameError as exc:
             code = "INVALID_ARGUMENT"

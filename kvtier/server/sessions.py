@@ -109,6 +109,17 @@ class SessionManager:
             session.last_seen = time.monotonic()
             return session
 
+    def still(self, session: Session) -> Session:
+        """A session whose credentials were checked when it was bound (the lane's HELLO):
+        raises as `get` would if it has ended or its token no longer grants its namespace;
+        marked as seen now. No lock: a dict read is atomic, and a session that ends just
+        after this check is caught by the store (its leases are gone)."""
+        if self._sessions.get(session.session_id) is not session:
+            raise NotFound("unknown session: it ended (closed, timed out, or the daemon restarted); register again")
+        self._check_granted(session)
+        session.last_seen = time.monotonic()
+        return session
+
     def _check(self, session: Session, caller: Caller) -> None:
         if not session.admits(caller):
             raise PermissionDenied(
@@ -116,6 +127,9 @@ class SessionManager:
                 "session key its client received (same host: by attaching over the handoff socket) and the token "
                 "and certificate that opened it; register a session of your own"
             )
+        self._check_granted(session)
+
+    def _check_granted(self, session: Session) -> None:
         if not self._grants(session.token, session.namespace):
             raise PermissionDenied(
                 f"the token that opened this session no longer grants namespace {session.namespace!r} "
