@@ -11,6 +11,7 @@ from kvtier.core.results import (
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.store import BlockStore
+from kvtier.core.writes import clean_reserve
 
 __all__ = [
     "DEFAULT_HISTORY_SIZE",
@@ -32,4 +33,5 @@ __all__ = [
     "WriteGrant",
     "check_keys",
     "check_namespace",
+    "clean_reserve",
 ]

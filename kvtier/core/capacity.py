@@ -6,6 +6,8 @@
     evict(tier, blocks, ns)  device copies with no host copy are demoted to host, host copies
                              with no disk copy are copied to disk, as far as the next tier can
                              take them; then the copies go: device -> host -> disk -> gone
+    prepare / file           a disk write in two halves around the unlocked store
+                             (kvtier.core.writes)
     persist(deadline)        at a clean stop, host-only (and device-only) pages go to disk, in
                              batches that each become durable on their own
 
@@ -14,7 +16,12 @@ made for it: a namespace at its maximum evicts its own pages first, and no other
 is evicted below its guarantee. Demotions allocate for the demoted block's namespace.
 Without quotas the namespace decides nothing.
 
-Called by the store with its lock held. Demotions are synchronous mover calls.
+Called by the store with its lock held. Disk I/O is not done here while a request can be
+run again (`restartable` is a set): a host eviction that needs pages written raises
+`WriteOut` and the store writes them with the lock released (kvtier.core.writes). Disk
+index deletions are queued in `forgets`; the store hands them to the mover after releasing
+the lock. Only the stop-time `persist` and device evictions (GPU daemons) still write to
+disk synchronously, under the lock; device demotions are synchronous mover calls.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from kvtier_client.tiers import Tier
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import PageMover, PageRecord
 from kvtier.core.quotas import Quota, VictimPicker
+from kvtier.core.writes import WriteBatch, WriteOut
 from kvtier.policy import Ref
 
 #: Pages per durable step of the stop-time copy to disk: a kill during the stop keeps every
@@ -43,6 +51,17 @@ class Capacity:
         self.page_bytes = layout.page_bytes
         #: Quotas by namespace (the store sets them); a namespace missing here has none.
         self.quotas: dict[str, Quota] = {}
+        #: Set while a request runs that the store can run again: the pages it already had
+        #: written out. None: write synchronously (stop-time persist, device evictions).
+        self.restartable: set[Ref] | None = None
+        #: Disk index entries to delete, handed to the mover outside the lock.
+        self.forgets: list[PageRecord] = []
+        #: Disk writes in flight, by block: the record each will be filed with.
+        self.saving: dict[Ref, PageRecord] = {}
+
+    def take_forgets(self) -> list[PageRecord]:
+        forgets, self.forgets = self.forgets, []
+        return forgets
 
     # -- host slots changing hands ---------------------------------------------
     def own_host(self, slot: Slot, namespace: str) -> None:
@@ -73,7 +92,10 @@ class Capacity:
         free = state.slots.free_count
         if n <= free and (not self.quotas or self.over_quota(tier, namespace, n) <= 0):
             return
-        victims, allowed = self.choose(tier, n, free, namespace, last_resort=not hint)
+        # Host copies being saved are evictable once their write lands: a restartable
+        # request waits for it rather than evicting hotter pages.
+        saves = tier is not Tier.HOST or self.restartable is None
+        victims, allowed = self.choose(tier, n, free, namespace, last_resort=not hint, saves=saves)
         if allowed < n:
             raise CapacityError(self.quota_message(tier, n, namespace))
         if free + len(victims) < n:
@@ -82,29 +104,53 @@ class Capacity:
                 f"{tier.label} tier is full: {n} pages needed, {free} free, "
                 f"{len(victims)} evictable, {rest}; release leases or give the tier more capacity"
             )
-        self.evict(tier, [self.index.blocks[ref] for ref in victims], namespace)
+        blocks = [self.index.blocks[ref] for ref in victims]
+        if not saves:
+            self.write_out_first(blocks)
+        self.evict(tier, blocks, namespace)
+
+    def write_out_first(self, victims: list[Block]) -> None:
+        """Raise WriteOut if host victims must reach disk first: some are being saved, or
+        some dirty ones (no disk copy) that this request has not tried to write yet fit on
+        disk. Dirty victims it already tried (the write failed, or the disk had no room)
+        are dropped by the eviction, as when the disk is full."""
+        saved = [b for b in victims if b.copies[Tier.HOST].saved]
+        if saved:
+            raise WriteOut(None, saved)
+        if Tier.DISK not in self.index.tiers:
+            return
+        tried = self.restartable
+        dirty = [b for b in victims if Tier.DISK not in b.copies and b.ref not in tried]
+        if not dirty:
+            return
+        tried.update(b.ref for b in dirty)
+        # The disk copies of this eviction's clean victims are what make them clean: keep them.
+        going, protected = {b.ref for b in victims}, self.index.protected(Tier.DISK)
+        batch = self.prepare(dirty, keep=lambda ref: ref in going or protected(ref))
+        if batch:
+            raise WriteOut(batch)
 
     def choose(self, tier: Tier, n: int, free: int, namespace: str, *, keep: Callable[[Ref], bool] | None = None,
-               last_resort: bool = False) -> tuple[list[Ref], int]:
+               last_resort: bool = False, saves: bool = True) -> tuple[list[Ref], int]:
         """Victims in `tier` (with `free` slots free) for n new pages of `namespace`: its own
         pages beyond its quota first, then room, never another namespace's below its
-        guarantee. Pages for which `keep` is true (default: protected ones) are never
-        chosen; with `last_resort`, held prefetched pages are if nothing else is left.
-        Returns the victims and how many of the n fit its quota once they go (the tier may
-        still be short). Changes nothing."""
+        guarantee. Pages for which `keep` is true (default: protected ones; without
+        `saves`, copies being saved are not) are never chosen; with `last_resort`, held
+        prefetched pages are if nothing else is left. Returns the victims and how many of
+        the n fit its quota once they go (the tier may still be short). Changes nothing."""
         policy = self.index.tiers[tier].policy
         if not self.quotas:  # the policy's order alone
             short = n - free
             if short <= 0:
                 return [], n
-            victims = policy.victims(short, keep or self.index.protected(tier))
+            victims = policy.victims(short, keep or self.index.protected(tier, saves=saves))
             if len(victims) < short and last_resort:
-                chosen, unheld = set(victims), self.index.protected(tier, holds=False)
+                chosen, unheld = set(victims), self.index.protected(tier, holds=False, saves=saves)
                 victims += policy.victims(short - len(victims), lambda ref: ref in chosen or unheld(ref))
             return victims, n
-        keep = keep or self.index.protected(tier)
+        keep = keep or self.index.protected(tier, saves=saves)
         picker = VictimPicker(policy, namespace, self.spare(tier, namespace))
-        fallback = self.index.protected(tier, holds=False) if last_resort else None
+        fallback = self.index.protected(tier, holds=False, saves=saves) if last_resort else None
         allowed = n
         over = self.over_quota(tier, namespace, n)
         if over > 0:
@@ -155,31 +201,45 @@ class Capacity:
         with no host copy and host copies with no disk copy are demoted first where the
         next tier can take them; what it cannot take is dropped."""
         tiers = self.index.tiers
-        if tier == Tier.HOST and Tier.DISK in tiers:
+        if tier == Tier.HOST and Tier.DISK in tiers and self.restartable is None:
             self.copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
         if tier == Tier.DEVICE:
             also_host = [b for b in victims if Tier.HOST in b.copies]
             self.index.wait_on(also_host, Tier.HOST)  # their host copies survive: not room for the others
+            restartable, self.restartable = self.restartable, None  # device victims are chosen: no restart now
             try:
                 self.copy_down_each([b for b in victims if Tier.HOST not in b.copies])
             finally:
+                self.restartable = restartable
                 self.index.stop_waiting(also_host, Tier.HOST)
         self.drop(victims, tier)
         self.index.evicted(victims, tier, tiers[tier].policy.name, namespace)
 
     def copy_to_disk(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> None:
-        """Copy host pages to disk (demotion, or write-through), as many as the disk and
-        their namespaces' disk quotas can take. Disk pages for which `keep` is true
-        (default: protected ones) are never evicted for room.
-
-        A failing disk (the mover's store raises OSError: EIO, ENOSPC) takes none of the
-        batch: its slots are freed, the pages counted in the disk's `io_errors`, and the
-        caller goes on as if the disk were full (the mechanism logs the fault)."""
-        if not blocks:
+        """Copy host pages to disk now, under the lock (the stop-time persist, device
+        evictions): `prepare`, store, `file`."""
+        batch = self.prepare(blocks, keep)
+        if not batch:
             return
+        forgets = self.take_forgets()
+        if forgets:  # the slots it evicted leave the index before they are written again
+            self.mover.forget(forgets)
+        stored = None
+        try:
+            stored = self.mover.store(batch.moves)
+        except OSError:
+            pass  # counted by `file`; the mechanism logs the fault
+        finally:
+            self.file(batch, stored)
+
+    def prepare(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> WriteBatch:
+        """Take disk slots for host pages, as many as the disk and their namespaces' disk
+        quotas can take (blocks already on disk or being saved are skipped). Disk pages for
+        which `keep` is true (default: protected ones) are never evicted for room. Each
+        page taken is `saved` (protected) and its disk slot `writing` until `file`."""
         disk = self.index.tiers[Tier.DISK]
-        fits: list[Block] = []
-        moves = []
+        blocks = [b for b in blocks if Tier.DISK not in b.copies and not b.copies[Tier.HOST].saved]
+        batch = WriteBatch()
         for namespace, group in self.by_namespace(blocks):
             victims, allowed = self.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
             if victims:
@@ -187,19 +247,31 @@ class Capacity:
             for block in group[: min(allowed, disk.slots.free_count)]:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None
-                moves.append((block.copies[Tier.HOST].slot, PageRecord(ns, key, disk.slots.alloc(), parent)))
-                fits.append(block)
-        try:
-            stored = self.mover.store(moves)
-        except OSError:
-            for _, record in moves:
+                record = PageRecord(ns, key, disk.slots.alloc(), parent)
+                block.copies[Tier.HOST].saved = True
+                self.index.start_writing(ns, [record.slot], Tier.DISK)
+                self.saving[block.ref] = record
+                batch.entries.append((block, record))
+        return batch
+
+    def file(self, batch: WriteBatch, stored: list[PageRecord] | None) -> None:
+        """A prepared write ended: file the disk copies it `stored`, or (None: the store
+        failed, e.g. EIO or ENOSPC) free its disk slots and count the pages in the disk's
+        `io_errors`; the pages stay host-only, as if the disk were full."""
+        disk = self.index.tiers[Tier.DISK]
+        for i, (block, record) in enumerate(batch.entries):
+            block.copies[Tier.HOST].saved = False  # never dropped while saved: still filed
+            del self.saving[block.ref]
+            self.index.stop_writing(block.ref[0], [record.slot], Tier.DISK)
+            if stored is None:
                 disk.slots.free(record.slot)
-            disk.counters.io_errors += len(moves)
-            return
-        for block, record in zip(fits, stored):
-            self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=record))
-            disk.counters.demotions += 1
-            disk.counters.bytes_in += self.page_bytes
+            else:
+                self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=stored[i]))
+        if stored is None:
+            disk.counters.io_errors += len(batch)
+        else:
+            disk.counters.demotions += len(batch)
+            disk.counters.bytes_in += len(batch) * self.page_bytes
 
     def copy_down(self, blocks: list[Block], namespace: str) -> None:
         """Give device-only blocks of `namespace` a host copy (a synchronous device -> host
@@ -248,13 +320,12 @@ class Capacity:
         host.counters.bytes_in += len(blocks) * self.page_bytes
 
     def drop(self, blocks: list[Block], tier: Tier) -> None:
-        """Drop each block's copy in `tier`; disk copies leave the persistent index in one
-        batch, host copies the slot table, before their slots can be reused."""
+        """Drop each block's copy in `tier`: host copies leave the slot table before their
+        slots can be reused; disk copies' index entries are queued in `forgets`, deleted
+        outside the lock (the disk tier keeps a reused slot safe: kvtier.mechanism.disk)."""
         if tier == Tier.HOST:
             self.mover.unpublish_host([b.copies[Tier.HOST].slot for b in blocks])
-        records = [r for b in blocks if (r := self.index.drop_copy(b, tier)) is not None]
-        if records:
-            self.mover.forget(records)
+        self.forgets += [r for b in blocks if (r := self.index.drop_copy(b, tier)) is not None]
 
     def persist(self, deadline: float | None = None) -> int:
         """Copy host-only (and device-only, through host) pages to disk (clean shutdown),

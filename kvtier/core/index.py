@@ -5,10 +5,12 @@ call), no I/O, no decisions.
 A copy's protection, one word each:
 
     pinned     held by read leases (`pins`): never evicted, never moved
-    protected  pinned, or `waiters` > 0, or `readers` > 0, or still `loading`, or held
-               after a prefetch (`held_until`): the policy must not choose it as a victim
-               now. Held pages are given up only as a last resort for a real request,
-               never for a hint (kvtier.core.capacity.Capacity.make_room)
+    protected  pinned, or `waiters` > 0, or `readers` > 0, or still `loading`, or being
+               `saved`, or held after a prefetch (`held_until`): the policy must not
+               choose it as a victim now. Held pages are given up only as a last resort
+               for a real request, never for a hint (kvtier.core.capacity.Capacity.make_room)
+    saved      a host copy whose bytes are being written to disk, outside the store's lock
+               (kvtier.core.writes): readable and acquirable, never dropped meanwhile
 
     waiters    requests working with this copy right now: an Acquire waiting for it to
                load, or a call keeping it while it makes room elsewhere
@@ -54,9 +56,13 @@ class Copy:
     readers: int = 0  # copies in flight reading from this one (disk loads, promotions)
     held_until: float = 0.0  # a loaded page is kept (monotonic time) until acquired or this passes
     job: LoadJob | None = None  # the queued or running load, while loading
+    saved: bool = False  # host copies: being written to disk (its disk slot is `writing` there)
 
-    def is_protected(self, now: float, *, holds: bool = True) -> bool:
-        return bool(self.pins or self.waiters or self.readers or self.loading or (holds and self.held_until > now))
+    def is_protected(self, now: float, *, holds: bool = True, saves: bool = True) -> bool:
+        """`saves` False: a copy being saved counts as evictable (it will be, once its
+        write lands: kvtier.core.capacity waits for it)."""
+        return bool(self.pins or self.waiters or self.readers or self.loading or (saves and self.saved)
+                    or (holds and self.held_until > now))
 
 
 @dataclass(eq=False)
@@ -92,7 +98,7 @@ class TierState:
     tier: Tier
     slots: SlotAllocator
     policy: EvictionPolicy
-    writing: set[Slot] = field(default_factory=set)
+    writing: set[Slot] = field(default_factory=set)  # host: write-leased; disk: a write to it is in flight
     cached: int = 0
     pinned: int = 0  # cached copies held by at least one read lease
     loading: set[Ref] = field(default_factory=set)  # cached copies whose bytes are on their way
@@ -250,15 +256,16 @@ class BlockIndex:
                 entry = gone.get(key)  # its reason's value: equal to the MissReason
                 misses[_NEVER_STORED if entry is None else entry[0]] += 1
 
-    def start_writing(self, namespace: str, slots: list[Slot]) -> None:
-        """Host slots leased to a writer of `namespace`: they count as its pages."""
-        self.tiers[_HOST].writing.update(slots)
-        self.namespaces[namespace].pages[_HOST] += len(slots)
+    def start_writing(self, namespace: str, slots: list[Slot], tier: Tier = _HOST) -> None:
+        """Slots being written for `namespace` (host: leased to a writer; disk: a store in
+        flight): they count as its pages."""
+        self.tiers[tier].writing.update(slots)
+        self.namespaces[namespace].pages[tier] += len(slots)
 
-    def stop_writing(self, namespace: str, slots: list[Slot]) -> None:
-        """A write lease ended; the caller frees its slots or files them as copies."""
-        self.tiers[_HOST].writing.difference_update(slots)
-        self.namespaces[namespace].pages[_HOST] -= len(slots)
+    def stop_writing(self, namespace: str, slots: list[Slot], tier: Tier = _HOST) -> None:
+        """The writing ended; the caller frees the slots or files them as copies."""
+        self.tiers[tier].writing.difference_update(slots)
+        self.namespaces[namespace].pages[tier] -= len(slots)
 
     def pin(self, block: Block, tier: Tier) -> None:
         copy = block.copies[tier]
@@ -272,11 +279,11 @@ class BlockIndex:
         if not copy.pins:
             self.tiers[tier].pinned -= 1
 
-    def protected(self, tier: Tier, *, holds: bool = True) -> Callable[[Ref], bool]:
+    def protected(self, tier: Tier, *, holds: bool = True, saves: bool = True) -> Callable[[Ref], bool]:
         """The copies of `tier` the policy must not choose now (with `holds`, held
-        prefetched pages too)."""
+        prefetched pages too; without `saves`, copies being saved are not protected)."""
         now = time.monotonic() if holds else 0.0
-        return lambda ref: self.blocks[ref].copies[tier].is_protected(now, holds=holds)
+        return lambda ref: self.blocks[ref].copies[tier].is_protected(now, holds=holds, saves=saves)
 
     def is_current(self, block: Block) -> bool:
         """Still filed: not dropped, nor replaced by a new block under the same key."""

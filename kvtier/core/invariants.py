@@ -8,15 +8,17 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
 5. Pins equal the read leases that hold each copy; write-leased slots equal the write leases'.
    A host copy still loading has a disk copy to read from and is never leased; a device
    copy still loading has a protected host copy (and may be leased: the engine waits on
-   the lease's CUDA event).
+   the lease's CUDA event). A host copy being saved (written to disk outside the lock)
+   has no disk copy yet, and its disk slot is a `writing` disk slot: the disk's writing
+   slots are exactly those of the writes in flight, one per saved copy.
 6. Every lease belongs to its session's set and nothing else does.
 7. The disk tier's persistent index (LMDB) names exactly the disk copies, at the same slots.
 8. Stats add up: per tier, free + writing + cached == capacity, and pinned + loading + held
    + idle == cached with none negative; the tier's set of loading copies is exactly the
    copies marked loading.
-9. Namespaces add up: each namespace's pages in a tier are its copies there (host: plus
-   the slots its write leases hold), and the namespaces' pages sum to the tier's cached
-   (host: plus writing) pages.
+9. Namespaces add up: each namespace's pages in a tier are its copies there plus its
+   writing slots (host: write leases; disk: writes in flight), and the namespaces' pages
+   sum to the tier's cached plus writing pages.
 
 Two quota rules hold only under conditions the store cannot see, so they are checked
 apart: `check_quotas_kept` (no namespace above its maximum; true after every step unless
@@ -54,6 +56,16 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
 
     pins: Counter[tuple[Tier, tuple]] = Counter()
     writing: dict[Tier, set[int]] = {t: set() for t in store.tiers}
+    saving = store.saving
+    for ref, record in saving.items():
+        block = store.blocks.get(ref)
+        _require(block is not None and Tier.HOST in block.copies and block.copies[Tier.HOST].saved,
+                 f"a disk write of {ref} is in flight without a saved host copy")
+        _require(Tier.DISK not in block.copies, f"{ref} is being saved to disk but already has a disk copy")
+        _require(record.slot not in writing[Tier.DISK], f"disk slot {record.slot} is written for two blocks")
+        writing[Tier.DISK].add(record.slot)
+    saved = {ref for ref, b in store.blocks.items() if Tier.HOST in b.copies and b.copies[Tier.HOST].saved}
+    _require(saved == saving.keys(), f"saved host copies {sorted(saved ^ saving.keys())[:3]} have no disk write in flight")
     for lease_id, lease in store.leases.items():
         _require(lease.lease_id == lease_id, f"lease filed under {lease_id} calls itself {lease.lease_id}")
         _require(lease_id in store.sessions.get(lease.session, ()), f"lease {lease_id} missing from its session")
@@ -94,7 +106,7 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
                 loading += 1
         free = set(state.slots.free_slots())
         _require(len(free) == state.slots.free_count, f"{tier.label} free list has duplicates")
-        _require(state.writing == writing[tier], f"{tier.label} writing slots {sorted(state.writing)} differ from the write leases' {sorted(writing[tier])}")
+        _require(state.writing == writing[tier], f"{tier.label} writing slots {sorted(state.writing)} differ from the write leases' and disk writes' {sorted(writing[tier])}")
         _require(not free & state.writing, f"{tier.label} slots {sorted(free & state.writing)} are both free and leased")
         _require(not free & cached.keys(), f"{tier.label} slots {sorted(free & cached.keys())} are both free and cached")
         _require(not state.writing & cached.keys(), f"{tier.label} slots {sorted(state.writing & cached.keys())} are both leased and cached")
@@ -129,6 +141,8 @@ def _check_namespaces(store: BlockStore) -> None:
     for lease in store.leases.values():
         if lease.kind is LeaseKind.WRITE:
             held[(lease.namespace, lease.tier)] += len(lease.slots)
+    for namespace, _ in store.saving:
+        held[(namespace, Tier.DISK)] += 1
     counted: Counter[tuple[str, Tier]] = Counter()
     for usage in store.stats().namespaces:
         for t in usage.tiers:
@@ -138,7 +152,7 @@ def _check_namespaces(store: BlockStore) -> None:
     _require(not wrong, f"namespace page counts (counted, held) disagree with the index: {wrong}")
     for tier, state in store.tiers.items():
         total = sum(n for (_, t), n in counted.items() if t == tier)
-        expected = state.cached + (len(state.writing) if tier == Tier.HOST else 0)
+        expected = state.cached + len(state.writing)
         _require(total == expected, f"namespaces hold {total} {tier.label} pages, the tier {expected}")
 
 

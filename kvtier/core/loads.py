@@ -10,14 +10,16 @@
                           with the transfer the engine waits on; `finish_promote` when it lands
 
 Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
-The `loaded` condition (on that same lock) is notified whenever a load or promotion ends.
+The `loaded` condition (on that same lock) is notified whenever a load, a promotion or a
+disk write ends. `start` may raise WriteOut (kvtier.core.writes) like CapacityError, with
+nothing of its own left behind: the store writes the pages and starts it again.
 """
 from __future__ import annotations
 
 import threading
 import time
 
-from kvtier_client.errors import CapacityError, NotFound, Unavailable
+from kvtier_client.errors import NotFound, Unavailable
 from kvtier_client.ids import SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
@@ -58,7 +60,7 @@ class Loads:
         down = [b for b in blocks if tier not in b.copies and Tier.DISK not in b.copies]
         try:
             self.capacity.copy_down(down, namespace)
-        except CapacityError:
+        except BaseException:  # CapacityError or WriteOut
             index.stop_waiting(present, tier)
             raise
         index.wait_on(down, tier)
@@ -67,7 +69,7 @@ class Loads:
         index.wait_on(missing, Tier.DISK)
         try:
             self.capacity.make_room(tier, len(missing), namespace, hint=kind is LoadKind.PREFETCH)
-        except CapacityError:
+        except BaseException:  # CapacityError or WriteOut
             index.stop_waiting(present, tier)
             raise
         finally:
@@ -90,7 +92,10 @@ class Loads:
             self.mover.load(job)
 
     def finish_load(self, job: LoadJob, ok: bool) -> None:
-        """A load ended (on an I/O worker, or at once in replay): publish or drop the page."""
+        """A load ended (on an I/O worker, or at once in replay): publish or drop the page.
+        A dropped disk copy's index entry is deleted after the lock is released (by the
+        caller that holds it, when this runs inside a store call)."""
+        outermost = not self._lock._is_owned()
         with self._lock:
             index = self.index
             block = index.block_of(job)
@@ -112,6 +117,9 @@ class Loads:
                 self.capacity.drop([block], Tier.DISK)
                 index.corrupted(block)
             self.loaded.notify_all()
+            forgets = self.capacity.take_forgets() if outermost else []
+        if forgets:
+            self.mover.forget(forgets)
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,

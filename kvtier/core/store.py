@@ -14,6 +14,7 @@ through the parts, each a module of its own:
     index.py     blocks, copies, tier states and counters (BlockIndex)
     leases.py    leases and the sessions holding them (LeaseTable)
     capacity.py  make room: the policy proposes victims, evictions demote or drop
+    writes.py    disk writes outside the lock: eviction write-outs, write-through, cleaning
     loads.py     disk -> host loads, host -> device promotions, waiting for them
     quotas.py    per-namespace quotas, and the victim picker that keeps their guarantees
     history.py   blocks that left the index, so a miss can say why
@@ -39,6 +40,14 @@ device page demotes it to host when host has no copy, and host evictions go on t
 
 Capacity failures are decided before anything changes: `victims` only proposes, so a
 request that cannot be met raises CapacityError with every structure untouched.
+
+No disk I/O runs under the lock on the request path. A request that must evict dirty host
+pages gets `WriteOut` from capacity: the lock is released, the pages are written (still
+cached, readable and acquirable, but protected), the lock retaken, the disk copies filed,
+and the request runs again from the start (`_run`); it then evicts them with no write.
+Disk index deletions queued under the lock are handed to the mover after releasing it.
+A write-through commit writes its pages the same way, after releasing the lock; cleaning
+runs on the pool's write-back thread (`write_back`).
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import wraps
+from typing import TypeVar
 
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, NotFound
 from kvtier_client.ids import LeaseId, SessionId, Slot
@@ -67,14 +77,26 @@ from kvtier.core.results import (
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
+from kvtier.core.writes import WRITE_BACK_BATCH, WriteBack, WriteBatch, WriteOut
 from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
 
+T = TypeVar("T")
 
 def _locked(method):
     @wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _restartable(method):
+    """A request that may need pages written to disk before it can evict them: run it
+    with `_run`, so the writes happen outside the lock."""
+    @wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return self._run(lambda: method(self, *args, **kwargs))
 
     return wrapper
 
@@ -124,7 +146,67 @@ class BlockStore:
         self._leases = LeaseTable()
         self._capacity = Capacity(self._index, mover, layout)
         self._loads = Loads(self._index, self._capacity, mover, layout, self._lock, prefetch_hold)
+        self._writeback = WriteBack(self._index, self._capacity)
+        #: Notified when write-back may have work (a commit or a borrow); `wait_write_back`.
+        self._wanted = threading.Condition(self._lock)
         self._mover = mover
+
+    # -- running requests: disk I/O outside the lock --------------------------
+    def _run(self, call: Callable[[], T]) -> T:
+        """Run `call` under the lock. When it raises WriteOut, write (or wait for) the pages
+        with the lock released, then run it again from the start: each round writes pages
+        it did not try before (capacity's `restartable` set), so it ends. Index deletions
+        queued meanwhile go to the mover after the lock is released. A call nested in one
+        of ours (the lock already held) is run by the outermost one."""
+        lock = self._lock
+        if lock._is_owned():
+            return call()
+        tried: set[Ref] = set()
+        while True:
+            batch = None
+            with lock:
+                self._capacity.restartable = tried
+                try:
+                    return call()
+                except WriteOut as pending:
+                    batch = pending.batch
+                    saved, saving = pending.saved, self._capacity.saving
+                    if saved:  # someone else is writing them: wait for that to land
+                        self._loads.loaded.wait_for(lambda: not any(b.ref in saving for b in saved))
+                finally:
+                    self._capacity.restartable = None
+                    forgets = self._capacity.take_forgets()
+                    if forgets or batch is not None:
+                        lock.release()  # the I/O goes outside the lock; `with` takes it back to leave
+                        try:
+                            self._forget(forgets)
+                            if batch is not None:
+                                self._write(batch)
+                        finally:
+                            lock.acquire()
+
+    def _forget(self, records: list[PageRecord]) -> None:
+        if records:
+            self._mover.forget(records)
+
+    def _write(self, batch: WriteBatch) -> bool:
+        """Store a prepared batch outside the lock, then file it under the lock. False if
+        the store failed (OSError)."""
+        stored = None
+        try:
+            stored = self._mover.store(batch.moves)
+        except OSError:
+            pass  # `file` counts it; the mechanism logs the fault
+        finally:
+            with self._lock:
+                self._capacity.file(batch, stored)
+                self._loads.loaded.notify_all()
+        return stored is not None
+
+    def _want_write_back(self) -> None:
+        if not self._writeback.wanted:
+            self._writeback.wanted = True
+            self._wanted.notify_all()
 
     # -- read-only views, for invariants and tests ----------------------------
     @property
@@ -142,6 +224,11 @@ class BlockStore:
     @property
     def sessions(self) -> dict[SessionId, set[LeaseId]]:
         return self._leases.sessions
+
+    @property
+    def saving(self) -> dict[Ref, PageRecord]:
+        """Disk writes in flight: each saved block and the record it will be filed with."""
+        return self._capacity.saving
 
     # -- queries --------------------------------------------------------------
     @_locked
@@ -235,7 +322,7 @@ class BlockStore:
         return len(self._leases.sessions.get(session, ()))
 
     # -- write path -----------------------------------------------------------
-    @_locked
+    @_restartable
     def borrow(self, session: SessionId, namespace: str, n: int) -> WriteGrant:
         """A write lease on n free host pages, evicting or demoting cached pages if needed."""
         check_namespace(namespace)
@@ -250,15 +337,27 @@ class BlockStore:
         slots = self._capacity.take_host_slots(namespace, n)
         self._index.start_writing(namespace, slots)
         lease = self._leases.open(session, namespace, LeaseKind.WRITE, Tier.HOST, slots)
+        self._want_write_back()  # the clean reserve may be short now
         return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots))
 
-    @_locked
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None) -> CommitOutcome:
         """Publish a write lease's pages: page i becomes the cached copy of keys[i].
 
         `parent` is the key of the block before keys[0] in its prefix, if there is one. Pages
-        beyond len(keys) are freed. The lease ends.
+        beyond len(keys) are freed. The lease ends. With write-through, the new pages are
+        written to disk in one batch after the lock is released, before this returns: they
+        are hits (and protected) meanwhile, and on disk when the engine hears back.
         """
+        with self._lock:
+            outcome, fresh = self._commit(session, lease_id, keys, parent)
+            batch = self._capacity.prepare(fresh) if fresh and self.write_through and Tier.DISK in self._index.tiers else None
+            forgets = self._capacity.take_forgets()
+        self._forget(forgets)
+        if batch:
+            self._write(batch)
+        return outcome
+
+    def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None) -> tuple[CommitOutcome, list[Block]]:
         lease = self._leases.get(session, lease_id, LeaseKind.WRITE)
         check_keys(keys)
         if parent is not None:
@@ -297,12 +396,11 @@ class BlockStore:
             host.slots.free(slot)
         self._leases.close(lease)
         self._mover.publish_host([b.entry(Tier.HOST) for b in fresh])
-        if self.write_through and Tier.DISK in index.tiers:
-            self._capacity.copy_to_disk(fresh)
-        return CommitOutcome(lease_id, len(fresh), tuple(duplicates))
+        self._want_write_back()  # new dirty pages: the clean reserve may need them later
+        return CommitOutcome(lease_id, len(fresh), tuple(duplicates)), fresh
 
     # -- read path ------------------------------------------------------------
-    @_locked
+    @_restartable
     def acquire(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST,
         timeout: float | None = None,
@@ -343,7 +441,7 @@ class BlockStore:
         via_host = [b for b in blocks if tier == Tier.HOST or Tier.DEVICE not in b.copies]
         try:
             loads.start(session, namespace, via_host, Tier.HOST, LoadKind.ACQUIRE)
-        except CapacityError:
+        except BaseException:  # CapacityError, or WriteOut: run again from the start
             index.stop_waiting(on_device, Tier.DEVICE)
             raise
         # (A load that failed at once, its copy dropped, was not ready.)
@@ -378,21 +476,32 @@ class BlockStore:
         lease.transfer = transfer
         return ReadGrant(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
 
-    @_locked
     def acquire_prefix(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST,
         timeout: float | None = None,
     ) -> tuple[PrefixMatch, ReadGrant | None]:
         """Lookup and acquire in one call: the longest cached prefix of `keys` (at most the
         tier's capacity), acquired as `acquire` would with `timeout`. Under one lock, so no
-        eviction falls between the two; the grant is None when nothing is cached."""
-        match = self.lookup(namespace, keys)
-        hit = min(match.hit_blocks, self._index.tiers[tier].slots.capacity) if tier in self._index.tiers else match.hit_blocks
-        if hit == 0:
-            return match, None
-        return match, self.acquire(session, namespace, keys[:hit], tier, timeout)
+        eviction falls between the two; the grant is None when nothing is cached. (When the
+        acquire must first write pages to disk, it runs again on what is still cached then,
+        the lookup counted once.)"""
+        matches: list[PrefixMatch] = []
 
-    @_locked
+        def attempt() -> tuple[PrefixMatch, ReadGrant | None]:
+            if not matches:
+                matches.append(self.lookup(namespace, keys))
+            hit = matches[0].hit_blocks
+            while hit and (namespace, keys[hit - 1]) not in self._index.blocks:  # evicted while we wrote
+                hit -= 1
+            if tier in self._index.tiers:
+                hit = min(hit, self._index.tiers[tier].slots.capacity)
+            if hit == 0:
+                return matches[0], None
+            return matches[0], self.acquire(session, namespace, keys[:hit], tier, timeout)
+
+        return self._run(attempt)
+
+    @_restartable
     def prefetch(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0
     ) -> int:
@@ -439,12 +548,51 @@ class BlockStore:
         benchmarks and tests that need a quiet store, not for the request path."""
         return self._loads.wait_idle(timeout)
 
-    @_locked
     def persist(self, deadline: float | None = None) -> int:
         """Copy host-only (and device-only, through host) pages to disk at a clean stop, in
         durable batches, starting none after `deadline`; returns how many
-        (kvtier.core.capacity.Capacity.persist says which go)."""
-        return self._capacity.persist(deadline)
+        (kvtier.core.capacity.Capacity.persist says which go). Writes under the lock: the
+        daemon has stopped serving by then."""
+        with self._lock:
+            saved = self._capacity.persist(deadline)
+            forgets = self._capacity.take_forgets()
+        self._forget(forgets)
+        return saved
+
+    # -- write-back: the pool's thread drives it ------------------------------
+    def write_back(self, reserve: int, limit: int = WRITE_BACK_BATCH) -> int:
+        """Write one batch outside the lock: the dirty pages among the next `reserve` minus
+        free host pages the host policy would evict (kvtier.core.writes). Returns how many pages it wrote (0: nothing to do, or the
+        write failed: the pages stay dirty, and write-back waits for new work)."""
+        with self._lock:
+            batch = self._writeback.next_batch(reserve, limit)
+            forgets = self._capacity.take_forgets()
+        self._forget(forgets)
+        if batch is None:
+            return 0
+        if self._write(batch):
+            return len(batch)
+        with self._lock:
+            self._writeback.wanted = False  # a failing disk: try again when new work comes
+        return 0
+
+    def wait_write_back(self, timeout: float | None = None) -> bool:
+        """Block until write-back may have work (a commit or a borrow since it last found
+        none), or `timeout` seconds pass (False)."""
+        with self._lock:
+            return self._wanted.wait_for(lambda: self._writeback.wanted, timeout)
+
+    def wake_write_back(self) -> None:
+        """Make a `wait_write_back` in progress return now (the thread is stopping)."""
+        with self._lock:
+            self._writeback.wanted = True
+            self._wanted.notify_all()
+
+    def wait_saved(self, timeout: float | None = None) -> bool:
+        """Block until no disk write is in flight (False if `timeout` passes first). For
+        tests and benchmarks that need a quiet store."""
+        with self._lock:
+            return self._loads.loaded.wait_for(lambda: not self._capacity.saving, timeout)
 
     @_locked
     def unsaved(self) -> int:

@@ -6,6 +6,15 @@ bytes are written (and, with `fsync`, flushed) before its index entry commits, a
 is checked against the checksum; a crash between the two leaves either no entry or an entry
 whose checksum fails, and a failing page is dropped and counted, never returned.
 
+The core calls `write_pages` and `forget` outside its lock, so they may run at once on
+several threads (a request's eviction, the write-back thread): page writes run in
+parallel, index transactions one at a time (`_index_lock`). A slot freed by a drop can be
+written again before its old entry is deleted. That is safe because (1) `forget` deletes
+an entry only if it is still the one forgotten (same write sequence), so a key written
+again is never deleted by a late forget; (2) at open, an entry whose slot a later entry
+(higher `seq`) also names is dropped: its bytes were overwritten; (3) in between, the
+old entry's checksum no longer matches the slot, so a read drops it, never serves it.
+
 I/O faults (EIO, ENOSPC, a read-only filesystem) degrade the tier, never the daemon: a
 failed write batch commits no index entry and raises OSError (the core then drops or keeps
 those pages host-only), a failed read raises OSError (the load fails), a failed index
@@ -50,6 +59,15 @@ def _decode_key(raw: bytes) -> tuple[str, bytes]:
     return raw[2 : 2 + n].decode(), bytes(raw[2 + n :])
 
 
+def _delete_if_seq(txn, keys: dict[bytes, int]) -> None:
+    """Delete each key whose entry still has the given write sequence: an entry written
+    again since (a newer copy of the same block) stays."""
+    for key, seq in keys.items():
+        value = txn.get(key)
+        if value is not None and _VALUE.unpack_from(value)[3] == seq:
+            txn.delete(key)
+
+
 class FsyncPolicy(str, Enum):
     """When page data and the index reach stable storage (docs/tiers.md, "Durability").
 
@@ -92,7 +110,8 @@ class DiskTier:
         self.corrupt_pages = 0
         self.io_errors = 0  # failed reads, write batches, index updates and flushes
         self._failing: dict[str, int] = {}  # "read" / "write" -> failures in the current episode
-        self._unforgotten: set[bytes] = set()  # index keys whose deletion failed: retried next transaction
+        self._unforgotten: dict[bytes, int] = {}  # index key -> seq whose deletion failed: retried next transaction
+        self._index_lock = threading.Lock()  # one index transaction (and `_seq`, `_unforgotten`) at a time
         self.bytes_read = 0
         self.bytes_written = 0
         self._counter_lock = threading.Lock()
@@ -123,6 +142,7 @@ class DiskTier:
                 os.ftruncate(self._fd, size)
             os.posix_fallocate(self._fd, 0, size)
             self._drop_out_of_range()
+            self._drop_shadowed()
             if self.fsync is FsyncPolicy.INTERVAL:
                 self._flusher = threading.Thread(
                     target=self._flush_every, args=(fsync_interval,), name="kvtier-disk-flush", daemon=True
@@ -156,44 +176,59 @@ class DiskTier:
         gone = [r for r in self.records() if r.slot >= self.pages]
         if gone:
             log.warning("disk tier shrank to %d pages: forgetting %d pages beyond it", self.pages, len(gone))
-            self._delete([_encode_key(r.namespace, r.key) for r in gone])  # at start: a failure is fatal
+            self._delete({_encode_key(r.namespace, r.key): r.seq for r in gone})  # at start: a failure is fatal
+
+    def _drop_shadowed(self) -> None:
+        """Forget entries whose slot a later-written entry also names (a crash between a
+        slot's rewrite and its old entry's deletion): only the latest is the slot's."""
+        latest: dict[int, PageRecord] = {}
+        stale = []
+        for r in sorted(self.records(), key=lambda r: r.seq):
+            if r.slot in latest:
+                stale.append(latest[r.slot])
+            latest[r.slot] = r
+        if stale:
+            log.warning("disk tier %s: forgetting %d entries whose slots were written again", self.directory, len(stale))
+            self._delete({_encode_key(r.namespace, r.key): r.seq for r in stale})
 
     # -- index ----------------------------------------------------------------
     def records(self) -> Iterator[PageRecord]:
         """Every indexed page, in key order (less those whose deletion is still pending)."""
+        with self._index_lock:
+            pending = dict(self._unforgotten)
         with self._env.begin(db=self._db) as txn:
             for raw_key, value in txn.cursor():
-                if raw_key in self._unforgotten:
+                slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
+                if pending.get(raw_key) == seq:
                     continue
                 namespace, key = _decode_key(raw_key)
-                slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
                 parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
                 yield PageRecord(namespace, key, slot, parent, length, checksum, seq)
 
     def forget(self, records: Iterable[PageRecord]) -> None:
-        """Remove index entries; their slots' bytes are simply overwritten later.
+        """Remove index entries (each only while it is still the one with the record's
+        `seq`); their slots' bytes are simply overwritten later.
 
         Never raises for an I/O fault: the core has already let the copies go, so the keys
-        are kept and deleted by the next index transaction that works, always before any
-        entry that transaction adds (a reused slot is never named by two entries).
+        are kept and deleted by the next index transaction that works, before any entry
+        that transaction adds.
         """
-        keys = [_encode_key(r.namespace, r.key) for r in records]
-        try:
-            self._delete(keys)
-        except self._faults as exc:
-            self._unforgotten.update(keys)
-            self._fault("write", f"removing {len(keys)} index entries", exc)
+        keys = {_encode_key(r.namespace, r.key): r.seq for r in records}
+        with self._index_lock:
+            try:
+                self._delete(keys)
+            except self._faults as exc:
+                self._unforgotten.update(keys)
+                self._fault("write", f"removing {len(keys)} index entries", exc)
 
-    def _delete(self, keys: list[bytes]) -> None:
+    def _delete(self, keys: dict[bytes, int]) -> None:
         with self._env.begin(write=True, db=self._db) as txn:
             self._delete_unforgotten(txn)
-            for key in keys:
-                txn.delete(key)
+            _delete_if_seq(txn, keys)
         self._unforgotten.clear()
 
     def _delete_unforgotten(self, txn) -> None:
-        for key in self._unforgotten:
-            txn.delete(key)
+        _delete_if_seq(txn, self._unforgotten)
 
     # -- faults ---------------------------------------------------------------
     def _fault(self, kind: str, what: str, exc: BaseException) -> None:
@@ -243,21 +278,22 @@ class DiskTier:
         futures = [self._writers.submit(self._write_one, item) for item in items]
         wait(futures)  # all ended: no write to a slot the caller frees may still be in flight
         checksums = [f.result() for f in futures]
-        seq = self._seq
-        stored = []
-        for (record, _), checksum in zip(items, checksums):
-            seq += 1
-            stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq))
-        if self.fsync is FsyncPolicy.BATCH and stored:
+        if self.fsync is FsyncPolicy.BATCH and items:
             os.fdatasync(self._fd)
-        with self._env.begin(write=True, db=self._db) as txn:
-            self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's slot
-            for r in stored:
-                parent = r.parent or b""
-                value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
-                txn.put(_encode_key(r.namespace, r.key), value + parent)
-        self._unforgotten.clear()
-        self._seq = seq
+        with self._index_lock:  # sequence numbers in commit order
+            seq = self._seq
+            stored = []
+            for (record, _), checksum in zip(items, checksums):
+                seq += 1
+                stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq))
+            with self._env.begin(write=True, db=self._db) as txn:
+                self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's slot
+                for r in stored:
+                    parent = r.parent or b""
+                    value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
+                    txn.put(_encode_key(r.namespace, r.key), value + parent)
+            self._unforgotten.clear()
+            self._seq = seq
         return stored
 
     def _write_one(self, item: tuple[PageRecord, memoryview]) -> int:

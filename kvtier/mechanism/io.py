@@ -1,6 +1,7 @@
-"""The disk read engine: `depth` worker threads that load disk pages straight into host
+"""The disk I/O engine: `depth` worker threads that load disk pages straight into host
 slots (O_DIRECT preadv into the page itself, no bounce buffer), loads for an Acquire ahead
-of prefetches.
+of prefetches; and the write-back thread that drives the core's disk writes
+(`WriteBackThread`).
 
 Random reads without readahead reach a device's bandwidth only with many requests in
 flight; `depth` is that queue depth. Prefetch jobs wait in a bounded queue: when it is full
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from kvtier.mechanism.bandwidth import Throughput
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class IOStats:
@@ -152,3 +155,45 @@ class DiskReader:
             if self.observer is not None:
                 self.observer(job.kind, time.monotonic() - job.enqueued, self.disk.layout.slot_bytes, ok)
             job.on_done(job, ok)
+
+
+class WriteBackThread:
+    """The pool's write-back ("cleaner") thread: calls `step()` (one disk write batch,
+    returns its page count, 0 when there is nothing to do) while there is work, and in
+    between `wait(timeout)` (True when there may be work; False after `idle` seconds, and
+    it waits again). A step that raises is
+    logged and retried after `backoff` seconds; a failing disk fails steps without
+    raising (the core counts io_errors), so the thread then idles until new work comes.
+
+    `stop()` returns after the batch in flight has been filed: call it before the disk
+    tier closes, and no write runs after that."""
+
+    def __init__(self, step: Callable[[], int], wait: Callable[[float], bool], wake: Callable[[], None], *,
+                 idle: float = 1.0, backoff: float = 1.0, name: str = "kvtier-write-back") -> None:
+        """`wake()` makes a `wait` in progress return (used by `stop`)."""
+        self._step = step
+        self._wait = wait
+        self._wake = wake
+        self._idle = idle
+        self._backoff = backoff
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                wrote = self._step()
+            except Exception:
+                log.exception("write-back step failed; retrying in %.1f s", self._backoff)
+                self._stopped.wait(self._backoff)
+                continue
+            # Idle until woken: a store left alone (reads only) is not written behind its back.
+            while not wrote and not self._stopped.is_set() and not self._wait(self._idle):
+                pass
+
+    def stop(self) -> None:
+        """Stop after the step in flight; a second call does nothing."""
+        self._stopped.set()
+        self._wake()
+        self._thread.join()

@@ -19,12 +19,12 @@ from kvtier_client.ids import LeaseId, SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.core import BlockStore, LeaseKind, Quota, StoreUsage
+from kvtier.core import BlockStore, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
 from kvtier.mechanism.device import CopyEngine, DeviceArena, DeviceNoSpace, pin_host
 from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
-from kvtier.mechanism.io import DiskReader, IOStats, Observer
+from kvtier.mechanism.io import DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ArenaMover
 from kvtier.policy import POLICIES, PolicyName
@@ -91,6 +91,7 @@ class Pool:
         self.reader: DiskReader | None = None
         self.device: DeviceArena | None = None
         self.copies: CopyEngine | None = None
+        self.write_back: WriteBackThread | None = None
         self._unpin_host = None
         try:
             if device_pages:
@@ -121,6 +122,12 @@ class Pool:
                 recovered=self.disk.records() if self.disk else (),
                 recovered_host=self.host.adopted,
             )
+            if self.disk is not None:
+                # Writes write-through pages and keeps a reserve of clean host pages, so a
+                # borrow rarely waits for a disk write (kvtier.core.writes).
+                reserve, store = clean_reserve(host_pages), self.store
+                self.write_back = WriteBackThread(lambda: store.write_back(reserve), store.wait_write_back,
+                                                  store.wake_write_back, name=f"kvtier-write-back-{layout.layout_id}")
         except BaseException:
             self._close_tiers()
             raise
@@ -160,6 +167,7 @@ class Pool:
         self._closed = True
         keep_arena = False
         try:
+            self._stop_write_back()  # its batch in flight is filed first
             self.store.stop_loads()
             if self.reader is not None:
                 self.reader.close()  # loads in flight finish first
@@ -172,7 +180,13 @@ class Pool:
             self._close_tiers(keep_arena=keep_arena)
         return keep_arena
 
+    def _stop_write_back(self) -> None:
+        if self.write_back is not None:
+            self.write_back.stop()
+            self.write_back = None
+
     def _close_tiers(self, *, keep_arena: bool = False) -> None:
+        self._stop_write_back()  # no write after the disk closes
         if self.copies is not None:
             self.copies.close()  # copies in flight land first
         if self._unpin_host is not None:

@@ -1,9 +1,13 @@
 """A hypothesis state machine over a real Pool (host memory files + LMDB disk tier).
 
-Random sequences of borrow / commit / lookup / acquire / prefetch / release / end_session,
-with caller mistakes (too many pages, wrong session, released leases, uncached keys,
-duplicate keys, quotas that cannot be kept) and injected failures (a rotten byte in a disk
-page on disk), over three namespaces with random quotas. After every step: the store's
+Random sequences of borrow / commit / lookup / acquire / prefetch / release / end_session /
+write-back steps, with caller mistakes (too many pages, wrong session, released leases,
+uncached keys, duplicate keys, quotas that cannot be kept) and injected failures (a rotten
+byte in a disk page on disk, a disk whose writes fail), over three namespaces with random
+quotas. Evictions of dirty pages and write-through commits go through the out-of-lock
+write path (write out, then run the request again / file the copies); a `write_back` rule
+cleans with a random reserve. Each step waits until no write is in flight, so the state
+between steps is settled. After every step: the store's
 invariants hold, the disk index agrees, every page a read lease holds and every cached host
 and disk page holds the bytes committed under its key, a borrowed page never carries
 another namespace's bytes, no namespace is above its maximum, and a request of one
@@ -66,6 +70,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.ended: list[tuple[int, str]] = []  # (lease id, its session) no longer live
         self.corrupt: set[tuple[str, bytes, int]] = set()  # (ns, key, seq) of rotten disk pages
         self.version = itertools.count()
+        self.disk_failing = False
 
     # -- set-up and teardown --------------------------------------------------
     @initialize(policy=st.sampled_from(["lru", "prefix"]), write_through=st.booleans(),
@@ -119,7 +124,12 @@ class StoreMachine(RuleBasedStateMachine):
         guarantee."""
         before = self.store.stats()
         yield
-        check_guarantees_kept(before, self.store.stats(), namespace)
+        if not self.disk_failing:  # disk pages evicted for a write that then failed are gone
+            check_guarantees_kept(before, self.store.stats(), namespace)
+
+    def settle(self) -> None:
+        """Wait for the write-back thread to write what commits queued (write-through)."""
+        assert self.store.wait_saved(10), "write-back did not finish"
 
     def live(self, kind: str | None = None) -> list[int]:
         return sorted(i for i, lease in self.leases.items() if kind is None or lease[2] == kind)
@@ -172,6 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.content[(namespace, key)] = data
         with self.request_of(namespace):
             result = self.store.commit(session, lease.lease_id, keys, parent)
+            self.settle()
         assert result.duplicates == tuple(i for i, k in enumerate(keys) if (namespace, k) in cached_before)
         if result.duplicates:
             event("commit: duplicates")
@@ -198,6 +209,7 @@ class StoreMachine(RuleBasedStateMachine):
         cached_before = set(self.store.blocks)
         with self.request_of(namespace):
             result = self.store.commit(session, lease_id, keys, parent)
+            self.settle()
         for i, key in enumerate(keys):
             ref = (namespace, key)
             seen = ref in cached_before or key in keys[:i]
@@ -305,6 +317,43 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.store.wait_loaded(10), "prefetch loads did not finish"
         if loaded:
             event("prefetch: loaded")
+
+    @rule(reserve=st.integers(0, HOST_PAGES))
+    def write_back(self, reserve):
+        """A write-back step with a clean reserve (the pool's own is 0 for so small a host):
+        dirty pages at the eviction end get a disk copy and stay in host."""
+        dirty = {ref for ref, b in self.store.blocks.items() if Tier.HOST in b.copies and Tier.DISK not in b.copies}
+        wrote = self.store.write_back(reserve)
+        self.settle()
+        now_clean = {ref for ref in dirty if ref in self.store.blocks and Tier.DISK in self.store.blocks[ref].copies}
+        assert len(now_clean) >= wrote
+        assert all(Tier.HOST in self.store.blocks[ref].copies for ref in now_clean)
+        if wrote:
+            event("write-back: cleaned")
+
+    @rule(session=st.sampled_from(SESSIONS), namespace=st.sampled_from(NAMESPACES),
+          start=st.integers(0, len(KEYS) - 1), n=st.integers(1, 3))
+    def put_on_failing_disk(self, session, namespace, start, n):
+        """A put while every disk write fails (the slab is open read-only): evicted dirty
+        pages are dropped, nothing is filed on disk, the failures are counted. (Disk pages
+        evicted to make room for a write that then failed are lost, guarantees or not.)"""
+        disk = self.pool.disk
+        errors = self.store.stats().tier(Tier.DISK).counters.io_errors
+        records = set(disk.records())
+        saved_fd = os.dup(disk._fd)
+        read_only = os.open(disk.slab_path, os.O_RDONLY)
+        os.dup2(read_only, disk._fd)
+        self.disk_failing = True
+        try:
+            self.put(session, namespace, start, n)
+        finally:
+            self.disk_failing = False
+            os.dup2(saved_fd, disk._fd)
+            os.close(saved_fd)
+            os.close(read_only)
+        assert set(disk.records()) <= records  # only deletions
+        if self.store.stats().tier(Tier.DISK).counters.io_errors > errors:
+            event("put: disk writes failed")
 
     @rule(data=st.data(), mistake=st.sampled_from(["none", "none", "none", "session", "ended", "unknown"]))
     def release(self, data, mistake):

@@ -312,3 +312,49 @@ def test_a_failed_read_is_counted_and_raised(tmp_path, tiers, monkeypatch, caplo
     assert (tier.io_errors, tier.corrupt_pages, len(warnings_of(caplog))) == (2, 0, 1)
     assert read(tier, good) == (True, data)
     assert "reads work again after 2 failures" in caplog.text
+
+
+# -- writes and index deletions from several threads (the core calls them outside its lock) --
+def test_a_late_forget_never_deletes_a_newer_entry_of_the_same_key(tmp_path, tiers):
+    tier = tiers(str(tmp_path), 4)
+    old, _ = write(tier, 0, 1, key=b"k")
+    new, _ = write(tier, 1, 2, key=b"k")  # the block written again, elsewhere, before the forget ran
+    tier.forget([old])
+    assert list(tier.records()) == [new]
+    tier.forget([new])
+    assert list(tier.records()) == []
+
+
+def test_a_slot_rewritten_before_its_old_entry_is_deleted_keeps_only_the_newer_entry(tmp_path, tiers):
+    directory = str(tmp_path)
+    tier = tiers(directory, 4)
+    old, _ = write(tier, 2, 1, key=b"old")
+    new, data = write(tier, 2, 2, key=b"new")  # a crash now: both entries name slot 2
+    assert read(tier, old)[0] is False  # the checksum catches the stale entry
+    tier.close()
+    again = tiers(directory, 4)
+    assert list(again.records()) == [new]  # the later entry is the slot's
+    assert read(again, new) == (True, data)
+
+
+def test_concurrent_batches_get_distinct_increasing_sequence_numbers(tmp_path, tiers):
+    import threading
+
+    tier = tiers(str(tmp_path), 64)
+    results: list[list[PageRecord]] = []
+
+    def batch(first: int) -> None:
+        bufs = [page_buffer(first + i)[0] for i in range(8)]
+        items = [(PageRecord("ns", b"k%d" % (first + i), first + i), memoryview(b)) for i, b in enumerate(bufs)]
+        results.append(tier.write_pages(items))
+
+    threads = [threading.Thread(target=batch, args=(8 * n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seqs = sorted(r.seq for stored in results for r in stored)
+    assert seqs == list(range(1, 65))
+    for stored in results:  # one batch, one transaction: consecutive numbers
+        assert [r.seq for r in stored] == list(range(stored[0].seq, stored[0].seq + 8))
+    assert len(list(tier.records())) == 64
