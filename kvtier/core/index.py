@@ -311,6 +311,9 @@ def check_namespace(namespace: str) -> None:
 
 
 def check_keys(keys: list[bytes]) -> None:
+    # The common case checked in C (type and length of every key); the loop finds the culprit.
+    if not keys or (set(map(type, keys)) == {bytes} and min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
+        return
     for i, key in enumerate(keys):
         if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import wraps
@@ -70,7 +71,7 @@ from kvtier.core.index import (
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import LoadKind, PageMover, PageRecord
+from kvtier.core.ports import LoadKind, PageMover, PageRecord, Transfer
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.results import (
     BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
@@ -239,15 +240,16 @@ class BlockStore:
         check_keys(keys)
         index = self._index
         tiers: list[Tier] = []
+        blocks = index.blocks
         for key in keys:
-            block = index.blocks.get((namespace, key))
+            block = blocks.get((namespace, key))
             if block is None:
                 break
-            tiers.append(block.best_tier)
+            tiers.append(min(block.copies))  # block.best_tier, without the property call
         usage = index.namespaces[namespace]
-        for tier in tiers:
-            index.tiers[tier].counters.hits += 1
-            usage.hits[tier] += 1
+        for tier, n in Counter(tiers).items():
+            index.tiers[tier].counters.hits += n
+            usage.hits[tier] += n
         missed = len(keys) - len(tiers)
         requests = index.requests
         requests.lookup_blocks += len(keys)
@@ -435,6 +437,11 @@ class BlockStore:
         state = index.tiers[tier]
         if len(keys) > state.slots.capacity:
             raise InvalidArgument(f"acquire of {len(keys)} pages exceeds the {tier.label} tier's {state.slots.capacity}")
+        if tier == Tier.HOST and all((c := b.copies.get(Tier.HOST)) is not None and not c.loading for b in blocks):
+            # Every page is in host already (the common case): nothing to load or wait for.
+            index.requests.acquired_pages += len(blocks)
+            index.requests.ready_on_arrival += len(blocks)
+            return self._lend(session, namespace, blocks, tier, None, promoted=0)
         # Device copies already there are kept (as waiters) while the rest reach host.
         on_device = [b for b in blocks if tier == Tier.DEVICE and Tier.DEVICE in b.copies]
         index.wait_on(on_device, Tier.DEVICE)
@@ -467,14 +474,21 @@ class BlockStore:
         finally:
             index.stop_waiting([b for b in via_host if index.is_current(b)], Tier.HOST)
             index.stop_waiting(on_device, Tier.DEVICE)
-        for b in blocks[:ready]:
+        return self._lend(session, namespace, blocks[:ready], tier, transfer, promoted=len(blocks) - ready_on_arrival)
+
+    def _lend(self, session: SessionId, namespace: str, blocks: list[Block], tier: Tier, transfer: Transfer | None,
+              promoted: int) -> ReadGrant:
+        """Pin the ready blocks' copies in `tier` and open the read lease on them."""
+        index = self._index
+        policy = index.tiers[tier].policy
+        for b in blocks:
             index.pin(b, tier)
             index.hold(b, tier, 0.0)  # pinned now; after release it ages like any page
-            state.policy.touch(b.ref)
-        slots = [b.copies[tier].slot for b in blocks[:ready]]
-        lease = self._leases.open(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks[:ready]])
+            policy.touch(b.ref)
+        slots = tuple(b.copies[tier].slot for b in blocks)
+        lease = self._leases.open(session, namespace, LeaseKind.READ, tier, slots, [b.ref for b in blocks])
         lease.transfer = transfer
-        return ReadGrant(lease.lease_id, tier, tuple(slots), len(blocks) - ready_on_arrival, ready, transfer)
+        return ReadGrant(lease.lease_id, tier, slots, promoted, len(blocks), transfer)
 
     def acquire_prefix(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST,
