@@ -34,7 +34,6 @@ class _Connection:
     sock: socket.socket
     seq: int = 0
     unanswered: int = 0  # frames sent with no reply asked for, not yet followed by a reply
-    lock: threading.Lock = field(default_factory=threading.Lock)
     # Replies land here: recv() of a MAX_FRAME buffer would allocate (and map) it every call.
     buffer: bytearray = field(default_factory=lambda: bytearray(frames.MAX_FRAME))
 
@@ -99,16 +98,15 @@ class Lane:
     def pipeline(self, requests: list[bytes], *, timeout: float | None = None) -> list[memoryview | KVTierError]:
         """Send several requests back to back, then read their replies: one round trip's
         wait for all. Each answer is the reply's body or the daemon's KVTierError for it."""
-        conn = self._connection()
-        with conn.lock:
-            first = conn.seq + 1
-            for frame in requests:
-                conn.seq = (conn.seq + 1) & 0xFFFFFFFF
-                self._send(conn, frames.with_seq(frame, conn.seq))
-            conn.sock.settimeout(timeout or self.timeout)
-            answers = [self._answer(conn, frame, (first + i) & 0xFFFFFFFF, timeout) for i, frame in enumerate(requests)]
-            conn.unanswered = 0
-            return answers
+        conn = self._connection()  # this thread's own: no lock needed
+        first = conn.seq + 1
+        for frame in requests:
+            conn.seq = (conn.seq + 1) & 0xFFFFFFFF
+            self._send(conn, frames.with_seq(frame, conn.seq))
+        conn.sock.settimeout(timeout or self.timeout)
+        answers = [self._answer(conn, frame, (first + i) & 0xFFFFFFFF, timeout) for i, frame in enumerate(requests)]
+        conn.unanswered = 0
+        return answers
 
     def _answer(self, conn: _Connection, request: bytes, seq: int, timeout: float | None) -> memoryview | KVTierError:
         try:
@@ -139,9 +137,8 @@ class Lane:
     def send(self, frame: bytes) -> None:
         """Send a request that asks for no reply (a Release): returns once the kernel has it."""
         conn = self._connection()
-        with conn.lock:
-            self._send(conn, frame)
-            conn.unanswered += 1
+        self._send(conn, frame)
+        conn.unanswered += 1
 
     def _send(self, conn: _Connection, frame: bytes) -> None:
         try:

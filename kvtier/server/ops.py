@@ -3,11 +3,14 @@ the fast lane (kvtier.server.lane) decode their requests, call these, and encode
 results. What a call checks (drain, session, wait policy, tier) and in which order lives
 here only, so the two transports cannot answer the same request differently.
 
-Each takes the session the transport resolved (SessionManager.get) and returns the core's
-typed result; errors are KVTierErrors, which each transport maps to its status code.
+Each takes `session`, the transport's way to resolve the session the call names (gRPC:
+SessionManager.get with the call's credentials; the lane: SessionManager.still), called
+after the drain check: a draining daemon answers UNAVAILABLE to anyone. Each returns the
+core's typed result; errors are KVTierErrors, which each transport maps to its status code.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier_client.errors import InvalidArgument
@@ -45,40 +48,49 @@ def wait_timeout(wait: int, deadline_ms: int) -> float | None:
     raise InvalidArgument(f"unknown wait policy {wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
+Resolve = Callable[[], Session]
+
+
 @dataclass(frozen=True, eq=False)
 class HotOps:
     sessions: SessionManager
     drain: DrainGate
 
-    def heartbeat(self, s: Session) -> int:
+    def heartbeat(self, session: Resolve) -> int:
+        s = session()
         return s.pool.store.session_leases(s.session_id)
 
-    def lookup(self, s: Session, keys: list[bytes]) -> PrefixMatch:
+    def lookup(self, session: Resolve, keys: list[bytes]) -> PrefixMatch:
+        s = session()
         return s.pool.store.lookup(s.namespace, keys)
 
-    def borrow(self, s: Session, count: int) -> WriteGrant:
+    def borrow(self, session: Resolve, count: int) -> WriteGrant:
         self.drain.check_open()
+        s = session()
         grant = s.pool.store.borrow(s.session_id, s.namespace, count)
         self.sessions.check_still_open(s, grant.lease_id)
         return grant
 
-    def commit(self, s: Session, lease_id: int, keys: list[bytes], parent: bytes | None) -> CommitOutcome:
+    def commit(self, session: Resolve, lease_id: int, keys: list[bytes], parent: bytes | None) -> CommitOutcome:
+        s = session()
         outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None)
         self.drain.lease_ended()
         return outcome
 
-    def acquire(self, s: Session, keys: list[bytes], tier: int, wait: int, deadline_ms: int) -> ReadGrant:
+    def acquire(self, session: Resolve, keys: list[bytes], tier: int, wait: int, deadline_ms: int) -> ReadGrant:
         self.drain.check_open()
+        s = session()
         lent_from = tier_of(tier, s.pool)
         grant = s.pool.store.acquire(s.session_id, s.namespace, keys, lent_from, wait_timeout(wait, deadline_ms))
         self.sessions.check_still_open(s, grant.lease_id)
         return grant
 
-    def acquire_prefix(self, s: Session, keys: list[bytes], tier: int, wait: int,
+    def acquire_prefix(self, session: Resolve, keys: list[bytes], tier: int, wait: int,
                        deadline_ms: int) -> tuple[PrefixMatch, ReadGrant | None]:
         """Lookup, then acquire of the longest cached prefix, in one call (no lease when
         nothing is cached)."""
         self.drain.check_open()
+        s = session()
         lent_from = tier_of(tier, s.pool)
         match, grant = s.pool.store.acquire_prefix(s.session_id, s.namespace, keys, lent_from,
                                                    wait_timeout(wait, deadline_ms))
@@ -86,11 +98,13 @@ class HotOps:
             self.sessions.check_still_open(s, grant.lease_id)
         return match, grant
 
-    def release(self, s: Session, lease_id: int) -> None:
+    def release(self, session: Resolve, lease_id: int) -> None:
+        s = session()
         s.pool.store.release(s.session_id, LeaseId(lease_id))
         self.drain.lease_ended()
 
-    def prefetch(self, s: Session, keys: list[bytes], tier: int, priority: int) -> int:
+    def prefetch(self, session: Resolve, keys: list[bytes], tier: int, priority: int) -> int:
         self.drain.check_open()
+        s = session()
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
         return s.pool.store.prefetch(s.session_id, s.namespace, keys, tier_of(tier, s.pool), priority)

@@ -152,6 +152,10 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         """The session a call names, if the caller holds its credentials."""
         return self.sessions.get(session_id, caller(context, self.auth))
 
+    def _resolver(self, session_id: str, context) -> Callable[[], Session]:
+        """`_session`, for HotOps to call after its drain check."""
+        return lambda: self._session(session_id, context)
+
     @_rpc
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         self.drain.check_open()
@@ -184,7 +188,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Heartbeat(self, request, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(leases=self.ops.heartbeat(self._session(request.session_id, context)))
+        return pb.HeartbeatResponse(leases=self.ops.heartbeat(self._resolver(request.session_id, context)))
 
     @_rpc
     def CloseSession(self, request, context) -> pb.CloseSessionResponse:
@@ -192,26 +196,22 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        result = self.ops.lookup(self._session(request.session_id, context), list(request.keys))
+        result = self.ops.lookup(self._resolver(request.session_id, context), list(request.keys))
         return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
-        self.drain.check_open()  # before the session: a draining daemon answers UNAVAILABLE to anyone
-        grant = self.ops.borrow(self._session(request.session_id, context), request.count)
+        grant = self.ops.borrow(self._resolver(request.session_id, context), request.count)
         return pb.BorrowResponse(lease_id=grant.lease_id, tier=tier_to_proto(grant.tier), slots=grant.slots)
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
-        s = self._session(request.session_id, context)
-        result = self.ops.commit(s, request.lease_id, list(request.keys), request.parent or None)
+        result = self.ops.commit(self._resolver(request.session_id, context), request.lease_id, list(request.keys), request.parent or None)
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
 
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
-        self.drain.check_open()
-        s = self._session(request.session_id, context)
-        lease = self.ops.acquire(s, list(request.keys), request.tier, request.wait, request.deadline_ms)
+        lease = self.ops.acquire(self._resolver(request.session_id, context), list(request.keys), request.tier, request.wait, request.deadline_ms)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
             ready=lease.ready, promoted=lease.promoted,
@@ -220,13 +220,12 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:
-        self.ops.release(self._session(request.session_id, context), request.lease_id)
+        self.ops.release(self._resolver(request.session_id, context), request.lease_id)
         return pb.ReleaseResponse()
 
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
-        self.drain.check_open()
-        s = self._session(request.session_id, context)
+        s = self._resolver(request.session_id, context)
         return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority))
 
     @_rpc
