@@ -64,7 +64,7 @@ def _human_bytes(n: float) -> str:
     return f"{n}"
 
 
-_TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+_TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk", pb.TIER_CLUSTER: "cluster"}
 
 
 def _table(rows: list[tuple[str, ...]], left: int = 1, text_last: bool = False) -> list[str]:

@@ -8,6 +8,7 @@ class Tier(enum.IntEnum):
     DEVICE = 0
     HOST = 1
     DISK = 2
+    CLUSTER = 3  # a store shared by nodes (Redis/Valkey Cluster); never lent, loaded into host
 
     @property
     def label(self) -> str:
@@ -18,4 +19,4 @@ class Tier(enum.IntEnum):
         try:
             return cls[text.upper()]
         except KeyError:
-            raise ValueError(f"unknown tier {text!r}; use one of device, host, disk") from None
+            raise ValueError(f"unknown tier {text!r}; use one of device, host, disk, cluster") from None

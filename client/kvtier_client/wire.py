@@ -10,7 +10,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.tiers import Tier
 
-_TO_PROTO = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST, Tier.DISK: pb.TIER_DISK}
+_TO_PROTO = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST, Tier.DISK: pb.TIER_DISK, Tier.CLUSTER: pb.TIER_CLUSTER}
 _FROM_PROTO = {value: tier for tier, value in _TO_PROTO.items()}
 
 

@@ -14,6 +14,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_CLUSTER: _ClassVar[Tier]
 
 class WaitPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_CLUSTER: Tier
 WAIT_POLICY_UNSPECIFIED: WaitPolicy
 WAIT_NONE: WaitPolicy
 WAIT_ALL: WaitPolicy
