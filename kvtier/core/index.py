@@ -29,7 +29,7 @@ from kvtier_client.ids import Slot
 from kvtier_client.tiers import Tier
 
 from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory, MissReason
-from kvtier.core.ports import LoadJob, PageRecord
+from kvtier.core.ports import BlockEvents, LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, Ref
 
@@ -70,6 +70,7 @@ class Block:
     ref: Ref
     parent: Ref | None
     copies: dict[Tier, Copy] = field(default_factory=dict)
+    tokens: tuple[int, ...] | None = None  # its token ids, when the client passed them (KV events)
 
     @property
     def best_tier(self) -> Tier:
@@ -159,6 +160,8 @@ class BlockIndex:
         #: The namespace whose data each host slot last held: a slot must be zeroed before
         #: a writer of another namespace gets it.
         self.host_owner: list[str | None] = [UNKNOWN_OWNER if host_reused else None] * host_pages
+        #: Told of copies that arrive in or leave a tier (KV events); None: nobody listens.
+        self.events: BlockEvents | None = None
 
     def recover_disk(self, records: Iterable[PageRecord]) -> None:
         """File the disk tier's persisted pages, oldest first (the policy's recency)."""
@@ -179,10 +182,11 @@ class BlockIndex:
                 self.add_copy(block, Tier.HOST, Copy(record.slot))
             self.host_owner[record.slot] = record.namespace
 
-    def add_block(self, ref: Ref, parent: Ref | None, tier: Tier, copy: Copy) -> Block:
+    def add_block(self, ref: Ref, parent: Ref | None, tier: Tier, copy: Copy,
+                  tokens: tuple[int, ...] | None = None) -> Block:
         """File a new block with its first copy; a miss of its key is no longer explained by
         an earlier departure."""
-        block = self.blocks[ref] = Block(ref, parent)
+        block = self.blocks[ref] = Block(ref, parent, tokens=tokens)
         self.add_copy(block, tier, copy)
         self.history.forget(ref)
         return block
@@ -195,11 +199,20 @@ class BlockIndex:
         self.namespaces[block.ref[0]].pages[tier] += 1
         if copy.loading:
             state.loading.add(block.ref)
+        elif self.events is not None:
+            self._stored(block, tier)
 
-    def loaded(self, block: Block, tier: Tier) -> None:
-        """The copy's bytes have arrived (or its load was given up)."""
+    def _stored(self, block: Block, tier: Tier) -> None:
+        namespace, key = block.ref
+        self.events.stored(tier, namespace, key, block.parent[1] if block.parent else None, block.tokens)
+
+    def loaded(self, block: Block, tier: Tier, arrived: bool) -> None:
+        """The copy's bytes have arrived (`arrived`), or its load was given up and the
+        caller drops it."""
         block.copies[tier].loading = False
         self.tiers[tier].loading.discard(block.ref)
+        if arrived and self.events is not None:
+            self._stored(block, tier)
 
     def hold(self, block: Block, tier: Tier, until: float) -> None:
         """Keep a loaded copy until `until` (monotonic time) unless it is acquired first."""
@@ -219,8 +232,11 @@ class BlockIndex:
         state.slots.free(copy.slot)
         state.cached -= 1
         self.namespaces[block.ref[0]].pages[tier] -= 1
-        state.loading.discard(block.ref)
         state.held.discard(block.ref)
+        if copy.loading:
+            state.loading.discard(block.ref)
+        elif self.events is not None:
+            self.events.removed(tier, *block.ref)
         if not block.copies:
             del self.blocks[block.ref]
         return copy.record

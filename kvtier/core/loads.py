@@ -101,7 +101,7 @@ class Loads:
             block = index.block_of(job)
             copy = block.copies[Tier.HOST]
             block.copies[Tier.DISK].readers -= 1
-            index.loaded(block, Tier.HOST)
+            index.loaded(block, Tier.HOST, ok)
             copy.job = None
             index.requests.loads_in_flight -= 1
             state = index.tiers[Tier.HOST]
@@ -165,7 +165,7 @@ class Loads:
             block = self.index.block_of(job)
             block.copies[Tier.DISK].readers -= 1
             copy = block.copies[Tier.HOST]
-            self.index.loaded(block, Tier.HOST)
+            self.index.loaded(block, Tier.HOST, False)
             copy.job, copy.waiters = None, 0
             self.index.requests.loads_in_flight -= 1
             self.capacity.drop([block], Tier.HOST)
@@ -220,7 +220,7 @@ class Loads:
             device = self.index.tiers[Tier.DEVICE]
             for b in blocks:
                 b.copies[Tier.HOST].readers -= 1
-                self.index.loaded(b, Tier.DEVICE)
+                self.index.loaded(b, Tier.DEVICE, ok)
                 if ok:
                     device.counters.promotions += 1
                     device.counters.bytes_in += self.page_bytes

@@ -15,6 +15,9 @@ only keeps the books (trace replay, core tests).
     demote           device slots -> host slots                                synchronous
 
 Asynchronous completions run on mechanism threads; the core takes its own lock there.
+
+`BlockEvents` is the other port: what the index tells the outside (KV events for routers)
+each time a copy of a block appears in or leaves a tier.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from enum import IntEnum
 from typing import Protocol
 
 from kvtier_client.ids import SessionId, Slot
+from kvtier_client.tiers import Tier
 
 
 @dataclass(frozen=True)
@@ -115,3 +119,15 @@ class PageMover(Protocol):
 
     def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
         """Copy (device slot, host slot) pairs and return when the bytes are in host memory."""
+
+
+class BlockEvents(Protocol):
+    """Told of every copy that appears in a tier with its bytes in place (committed,
+    loaded, promoted, demoted, written to disk, recovered) and of every such copy that
+    leaves one (evicted, dropped). Called with the store's lock held: record and return,
+    never block. `tokens` are the block's token ids when the client passed them at commit."""
+
+    def stored(self, tier: Tier, namespace: str, key: bytes, parent: bytes | None,
+               tokens: tuple[int, ...] | None) -> None: ...
+
+    def removed(self, tier: Tier, namespace: str, key: bytes) -> None: ...

@@ -71,7 +71,7 @@ from kvtier.core.index import (
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import LoadKind, PageMover, PageRecord, Transfer
+from kvtier.core.ports import BlockEvents, LoadKind, PageMover, PageRecord, Transfer
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.results import (
     BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
@@ -227,6 +227,16 @@ class BlockStore:
         return self._leases.sessions
 
     @property
+    def events(self) -> BlockEvents | None:
+        """Told of every copy that arrives in or leaves a tier (KV events); None by default."""
+        return self._index.events
+
+    @events.setter
+    def events(self, sink: BlockEvents | None) -> None:
+        with self._lock:
+            self._index.events = sink
+
+    @property
     def saving(self) -> dict[Ref, PageRecord]:
         """Disk writes in flight: each saved block and the record it will be filed with."""
         return self._capacity.saving
@@ -342,16 +352,21 @@ class BlockStore:
         self._want_write_back()  # the clean reserve may be short now
         return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots))
 
-    def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None) -> CommitOutcome:
+    def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None,
+               tokens: list[tuple[int, ...]] | None = None) -> CommitOutcome:
         """Publish a write lease's pages: page i becomes the cached copy of keys[i].
 
         `parent` is the key of the block before keys[0] in its prefix, if there is one. Pages
         beyond len(keys) are freed. The lease ends. With write-through, the new pages are
         written to disk in one batch after the lock is released, before this returns: they
         are hits (and protected) meanwhile, and on disk when the engine hears back.
+        `tokens`, when given, are each key's block of token ids (`block_tokens` each): kvtier
+        never reads them, it only carries them in its KV events for routers that hash tokens.
         """
+        if tokens is not None:
+            self._check_tokens(keys, tokens)
         with self._lock:
-            outcome, fresh = self._commit(session, lease_id, keys, parent)
+            outcome, fresh = self._commit(session, lease_id, keys, parent, tokens)
             batch = self._capacity.prepare(fresh) if fresh and self.write_through and Tier.DISK in self._index.tiers else None
             forgets = self._capacity.take_forgets()
         self._forget(forgets)
@@ -359,7 +374,17 @@ class BlockStore:
             self._write(batch)
         return outcome
 
-    def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None) -> tuple[CommitOutcome, list[Block]]:
+    def _check_tokens(self, keys: list[bytes], tokens: list[tuple[int, ...]]) -> None:
+        per_block = self.layout.block_tokens
+        if len(tokens) != len(keys):
+            raise InvalidArgument(f"commit got token ids for {len(tokens)} blocks and {len(keys)} keys; pass one block of "
+                                  "token ids per key, or none")
+        for i, block in enumerate(tokens):
+            if len(block) != per_block:
+                raise InvalidArgument(f"block {i} has {len(block)} token ids; a page holds {per_block} tokens")
+
+    def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
+                tokens: list[tuple[int, ...]] | None = None) -> tuple[CommitOutcome, list[Block]]:
         lease = self._leases.get(session, lease_id, LeaseKind.WRITE)
         check_keys(keys)
         if parent is not None:
@@ -392,7 +417,7 @@ class BlockStore:
                 if Tier.HOST in existing.copies:
                     host.policy.touch(ref)
             else:
-                fresh.append(index.add_block(ref, prev, Tier.HOST, Copy(slot)))
+                fresh.append(index.add_block(ref, prev, Tier.HOST, Copy(slot), tokens[i] if tokens else None))
             prev = ref
         for slot in lease.slots[len(keys) :]:
             host.slots.free(slot)
