@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier_client.ids import SessionId, Slot
+from kvtier_client.tiers import Tier
 
 from kvtier.core.ports import PageRecord, LoadJob
 
@@ -43,8 +44,15 @@ class BookkeepingMover:
     def load(self, job: LoadJob) -> None:
         job.on_done(job, True)
 
-    def prefetch_room(self) -> int:
+    def prefetch_room(self, source: Tier = Tier.DISK) -> int:
         return 0
+
+    def remote_present(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
+                     on_done: Callable[[list[bool]], None]) -> bool:
+        return False
 
     def boost(self, job: LoadJob) -> None:
         pass

@@ -101,7 +101,9 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
                 source = block.copies.get(Tier.HOST)
                 _require(source is not None and source.readers > 0, f"{ref} is loading into device without a protected host copy")
             elif copy.loading:
-                _require(tier == Tier.HOST and Tier.DISK in block.copies, f"{ref} is loading into {tier.label} without a disk copy to read")
+                from_cluster = copy.job is not None and copy.job.source is Tier.CLUSTER
+                _require(tier == Tier.HOST and (Tier.DISK in block.copies or from_cluster),
+                         f"{ref} is loading into {tier.label} without a disk copy or a cluster load")
                 _require(copy.pins == 0, f"{tier.label} copy of {ref} is leased while its bytes are still loading")
                 loading += 1
         free = set(state.slots.free_slots())

@@ -4,6 +4,8 @@
                           many callers: a second request joins the load in flight), read by
                           the mover's I/O workers; device-only blocks are copied down first;
                           room is made for namespace `ns` (its quota)
+    start_remote(ns, keys)   new blocks for keys only the cluster tier holds, each with a
+                          loading host copy read by the mover's cluster readers
     finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one
     wait_ready(blocks)    the lock released, until the pages are loaded or time is up
     promote(ns, blocks)   host -> device in one copy-engine submission; returns at once
@@ -26,7 +28,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex, Copy
-from kvtier.core.ports import LoadJob, LoadKind, PageMover, Transfer
+from kvtier.core.ports import LoadJob, LoadKind, PageMover, PageRecord, Transfer
 
 
 class Loads:
@@ -91,6 +93,28 @@ class Loads:
             index.requests.loads_in_flight += 1
             self.mover.load(job)
 
+    def start_remote(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
+                     kind: LoadKind, priority: int = 0) -> list[Block]:
+        """File a new block per key (none of them in the index), chained from `parent`, each
+        with a loading host copy and one waiter (the caller's), read from the cluster tier.
+        Raises CapacityError (or WriteOut) when room cannot be made, with nothing filed."""
+        index = self.index
+        self.capacity.make_room(Tier.HOST, len(keys), namespace, hint=kind is LoadKind.PREFETCH)
+        state = index.tiers[Tier.HOST]
+        prev = (namespace, parent) if parent is not None else None
+        blocks = []
+        for key in keys:
+            slot = state.slots.alloc()
+            self.capacity.own_host(slot, namespace)
+            record = PageRecord(namespace, key, -1, prev[1] if prev else None)
+            job = LoadJob(record, slot, kind, session, self.finish_load, priority, source=Tier.CLUSTER)
+            ref = (namespace, key)
+            blocks.append(index.add_block(ref, prev, Tier.HOST, Copy(slot, loading=True, waiters=1, job=job)))
+            index.requests.loads_in_flight += 1
+            prev = ref
+            self.mover.load(job)
+        return blocks
+
     def finish_load(self, job: LoadJob, ok: bool) -> None:
         """A load ended (on an I/O worker, or at once in replay): publish or drop the page.
         A dropped disk copy's index entry is deleted after the lock is released (by the
@@ -100,7 +124,9 @@ class Loads:
             index = self.index
             block = index.block_of(job)
             copy = block.copies[Tier.HOST]
-            block.copies[Tier.DISK].readers -= 1
+            from_disk = job.source is Tier.DISK
+            if from_disk:
+                block.copies[Tier.DISK].readers -= 1
             index.loaded(block, Tier.HOST, ok)
             copy.job = None
             index.requests.loads_in_flight -= 1
@@ -114,8 +140,9 @@ class Loads:
                 # Waiting acquires see the copy gone and stop their ready prefix before it.
                 copy.waiters = 0
                 self.capacity.drop([block], Tier.HOST)
-                self.capacity.drop([block], Tier.DISK)
-                index.corrupted(block)
+                if from_disk:
+                    self.capacity.drop([block], Tier.DISK)
+                    index.corrupted(block)
             self.loaded.notify_all()
             forgets = self.capacity.take_forgets() if outermost else []
         if forgets:
@@ -163,7 +190,8 @@ class Loads:
     def _withdraw(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
             block = self.index.block_of(job)
-            block.copies[Tier.DISK].readers -= 1
+            if job.source is Tier.DISK:
+                block.copies[Tier.DISK].readers -= 1
             copy = block.copies[Tier.HOST]
             self.index.loaded(block, Tier.HOST, False)
             copy.job, copy.waiters = None, 0
@@ -181,8 +209,8 @@ class Loads:
                 "retry against the restarted daemon"
             )
         raise NotFound(
-            f"the page of key {ready} ({first.hex()}) failed its checksum on disk and was dropped; "
-            "recompute and commit it again"
+            f"the page of key {ready} ({first.hex()}) could not be loaded (it failed its checksum, or the cluster "
+            "tier no longer holds it) and was dropped; recompute and commit it again"
         )
 
     # -- into device ----------------------------------------------------------

@@ -9,8 +9,12 @@ only keeps the books (trace replay, core tests).
     publish_host / unpublish_host   host pages in or out of the host tier's
                      persistent slot table (warm restart)                     synchronous
     store / forget   host slots -> disk slots; disk pages out of the index     synchronous
-    load             one disk page -> one host slot, `LoadJob.on_done` later   asynchronous
-    prefetch_room / boost / cancel    the disk read queue's back-pressure and order
+    load             one disk or cluster page -> one host slot, `LoadJob.on_done` later
+                                                                              asynchronous
+    prefetch_room / boost / cancel    the read queues' back-pressure and order
+    remote_present   how many leading keys the cluster tier holds              synchronous,
+                                                                  network: never under the lock
+    remote_write     host pages -> the cluster tier, `on_done` later           asynchronous
     promote / marker host slots -> device slots, `on_done` when they land      asynchronous
     demote           device slots -> host slots                                synchronous
 
@@ -47,7 +51,7 @@ class PageRecord:
 
 
 class LoadKind(IntEnum):
-    """Why a disk page is loaded. Lower runs first."""
+    """Why a disk or cluster page is loaded. Lower runs first."""
 
     ACQUIRE = 0
     PREFETCH = 1
@@ -55,8 +59,9 @@ class LoadKind(IntEnum):
 
 @dataclass(eq=False)
 class LoadJob:
-    """One disk page on its way into a host slot: queued, then started, then done. Until
-    started it can be cancelled (its session ended) or boosted (an Acquire now waits)."""
+    """One disk or cluster page on its way into a host slot: queued, then started, then
+    done. Until started it can be cancelled (its session ended) or boosted (an Acquire now
+    waits). A cluster page's `record` names no slot (-1)."""
 
     record: PageRecord
     host_slot: Slot
@@ -67,6 +72,7 @@ class LoadJob:
     enqueued: float = field(default_factory=time.monotonic)
     started: bool = False
     cancelled: bool = False
+    source: Tier = Tier.DISK  # DISK or CLUSTER
 
 
 class Transfer(Protocol):
@@ -95,11 +101,21 @@ class PageMover(Protocol):
         """Copy host slots to the disk slots named in the records; return the stored records."""
 
     def load(self, job: LoadJob) -> None:
-        """Start copying a disk page into a host slot; `job.on_done(job, ok)` reports the
-        result, ok False if the page failed its checksum (drop it). May call back at once."""
+        """Start copying a page from `job.source` into a host slot; `job.on_done(job, ok)`
+        reports the result, ok False if the page failed its checksum or the cluster no
+        longer holds it (drop it). May call back at once."""
 
-    def prefetch_room(self) -> int:
-        """How many prefetch loads can be queued now (back-pressure)."""
+    def prefetch_room(self, source: Tier = Tier.DISK) -> int:
+        """How many prefetch loads from `source` can be queued now (back-pressure)."""
+
+    def remote_present(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the cluster tier holds (0 without one, or when it fails)."""
+
+    def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
+                     on_done: Callable[[list[bool]], None]) -> bool:
+        """Queue host pages (key, slot) for the cluster tier; `on_done` hears each page's
+        result later, on another thread. False when refused (no cluster, queue full, cluster
+        failing): nothing was queued and `on_done` is never called."""
 
     def boost(self, job: LoadJob) -> None:
         """Run a queued prefetch load with Acquire priority."""

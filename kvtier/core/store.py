@@ -109,7 +109,8 @@ class BlockStore:
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
-    the index remembered per namespace, to explain misses.
+    the index remembered per namespace, to explain misses. `cluster`: the mover has a
+    cluster tier (`cluster_write`: copy every committed page to it).
     """
 
     def __init__(
@@ -127,11 +128,17 @@ class BlockStore:
         recovered_host: Iterable[PageRecord] = (),
         host_reused: bool = False,
         history_size: int = DEFAULT_HISTORY_SIZE,
+        cluster: bool = False,
+        cluster_write: bool = False,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
         self.layout = layout
         self.write_through = write_through
+        #: A cluster tier below the others: lookups, acquires and prefetches go on to it
+        #: for keys this node does not hold, and (`cluster_write`) commits are copied to it.
+        self.cluster = cluster
+        self.cluster_write = cluster and cluster_write
         adopted = list(recovered_host)
         tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy())]
         if device_pages > 0:
@@ -242,12 +249,29 @@ class BlockStore:
         return self._capacity.saving
 
     # -- queries --------------------------------------------------------------
-    @_locked
     def lookup(self, namespace: str, keys: list[bytes]) -> PrefixMatch:
         """The longest cached prefix of `keys` and the fastest tier of each of its blocks;
-        why each key after it missed is counted for the namespace."""
+        why each key after it missed is counted for the namespace. With a cluster tier, the
+        keys after this node's prefix are asked of the cluster in one batch, outside the
+        lock: its leading hits extend the prefix as CLUSTER."""
         check_namespace(namespace)
         check_keys(keys)
+        if not self.cluster:
+            with self._lock:
+                tiers = self._lookup_local(namespace, keys)
+                self._count_misses(namespace, keys, len(tiers))
+            return PrefixMatch(len(tiers), tuple(tiers))
+        with self._lock:
+            tiers = self._lookup_local(namespace, keys)
+        found = self._mover.remote_present(namespace, keys[len(tiers):]) if len(tiers) < len(keys) else 0
+        with self._lock:
+            self._index.namespaces[namespace].hits[Tier.CLUSTER] += found
+            tiers += [Tier.CLUSTER] * found
+            self._count_misses(namespace, keys, len(tiers))
+        return PrefixMatch(len(tiers), tuple(tiers))
+
+    def _lookup_local(self, namespace: str, keys: list[bytes]) -> list[Tier]:
+        """The fastest tier of each block of the prefix this node holds; counts the hits."""
         index = self._index
         tiers: list[Tier] = []
         blocks = index.blocks
@@ -260,15 +284,19 @@ class BlockStore:
         for tier, n in Counter(tiers).items():
             index.tiers[tier].counters.hits += n
             usage.hits[tier] += n
-        missed = len(keys) - len(tiers)
+        return tiers
+
+    def _count_misses(self, namespace: str, keys: list[bytes], hit: int) -> None:
+        index = self._index
+        usage = index.namespaces[namespace]
+        missed = len(keys) - hit
         requests = index.requests
         requests.lookup_blocks += len(keys)
         requests.miss_blocks += missed
         usage.lookup_blocks += len(keys)
         usage.miss_blocks += missed
         if missed:
-            index.count_misses(namespace, keys[len(tiers) :])
-        return PrefixMatch(len(tiers), tuple(tiers))
+            index.count_misses(namespace, keys[hit:])
 
     @_locked
     def explain(self, namespace: str, keys: list[bytes]) -> Explanation:
@@ -369,10 +397,33 @@ class BlockStore:
             outcome, fresh = self._commit(session, lease_id, keys, parent, tokens)
             batch = self._capacity.prepare(fresh) if fresh and self.write_through and Tier.DISK in self._index.tiers else None
             forgets = self._capacity.take_forgets()
+            if fresh and self.cluster_write:
+                for b in fresh:  # the host slots stay put until the cluster write is done
+                    b.copies[Tier.HOST].readers += 1
         self._forget(forgets)
+        if fresh and self.cluster_write:
+            self._write_cluster(fresh)
         if batch:
             self._write(batch)
         return outcome
+
+    def _write_cluster(self, blocks: list[Block]) -> None:
+        """Hand committed pages (their host copies protected by a reader each) to the
+        cluster writer; they are released when it is done, or now if it refuses them."""
+        namespace = blocks[0].ref[0]
+        pages = [(b.ref[1], b.copies[Tier.HOST].slot) for b in blocks]
+        if not self._mover.remote_write(namespace, pages, lambda results: self._cluster_written(blocks, results)):
+            self._cluster_written(blocks, [False] * len(blocks))
+
+    def _cluster_written(self, blocks: list[Block], results: list[bool]) -> None:
+        with self._lock:
+            events = self._index.events
+            for b, ok in zip(blocks, results):
+                b.copies[Tier.HOST].readers -= 1
+                if ok and events is not None:
+                    namespace, key = b.ref
+                    events.stored(Tier.CLUSTER, namespace, key, b.parent[1] if b.parent else None, b.tokens)
+            self._loads.loaded.notify_all()
 
     def _check_tokens(self, keys: list[bytes], tokens: list[tuple[int, ...]]) -> None:
         per_block = self.layout.block_tokens
@@ -457,12 +508,17 @@ class BlockStore:
         for i, key in enumerate(keys):
             block = index.blocks.get((namespace, key))
             if block is None:
+                if self.cluster:
+                    break  # keys[i:] come from the cluster tier
                 raise NotFound(f"key {i} ({key.hex()}) is not cached; look up again and acquire only the hit prefix")
             blocks.append(block)
+        remote = keys[len(blocks):]
+        # The cluster's part ends where this node holds a key again (that block is ours).
+        remote = remote[:next((j for j, key in enumerate(remote) if (namespace, key) in index.blocks), len(remote))]
         state = index.tiers[tier]
         if len(keys) > state.slots.capacity:
             raise InvalidArgument(f"acquire of {len(keys)} pages exceeds the {tier.label} tier's {state.slots.capacity}")
-        if tier == Tier.HOST and all((c := b.copies.get(Tier.HOST)) is not None and not c.loading for b in blocks):
+        if not remote and tier == Tier.HOST and all((c := b.copies.get(Tier.HOST)) is not None and not c.loading for b in blocks):
             # Every page is in host already (the common case): nothing to load or wait for.
             index.requests.acquired_pages += len(blocks)
             index.requests.ready_on_arrival += len(blocks)
@@ -476,6 +532,16 @@ class BlockStore:
         except BaseException:  # CapacityError, or WriteOut: run again from the start
             index.stop_waiting(on_device, Tier.DEVICE)
             raise
+        if remote:
+            parent = keys[len(blocks) - 1] if blocks else None
+            try:
+                from_cluster = loads.start_remote(session, namespace, remote, parent, LoadKind.ACQUIRE)
+            except BaseException:
+                index.stop_waiting(via_host, Tier.HOST)
+                index.stop_waiting(on_device, Tier.DEVICE)
+                raise
+            blocks += from_cluster
+            via_host += from_cluster
         # (A load that failed at once, its copy dropped, was not ready.)
         ready_on_arrival = len(on_device) + sum(
             1 for b in via_host if Tier.HOST in b.copies and not b.copies[Tier.HOST].loading
@@ -524,6 +590,12 @@ class BlockStore:
         eviction falls between the two; the grant is None when nothing is cached. (When the
         acquire must first write pages to disk, it runs again on what is still cached then,
         the lookup counted once.)"""
+        if self.cluster:
+            # The lookup asks the cluster outside the lock, so the two cannot share it:
+            # a page evicted here meanwhile is loaded from the cluster, or missed.
+            match = self.lookup(namespace, keys)
+            hit = min(match.hit_blocks, self._index.tiers[tier].slots.capacity) if tier in self._index.tiers else 0
+            return match, (self.acquire(session, namespace, keys[:hit], tier, timeout) if hit else None)
         matches: list[PrefixMatch] = []
 
         def attempt() -> tuple[PrefixMatch, ReadGrant | None]:
@@ -540,11 +612,11 @@ class BlockStore:
 
         return self._run(attempt)
 
-    @_restartable
     def prefetch(
         self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0
     ) -> int:
-        """Start loading the disk-only pages of `keys` into `tier`; returns at once.
+        """Start loading the disk-only pages of `keys` into `tier` (and, with a cluster tier,
+        the pages after this node's prefix that the cluster holds); returns at once.
 
         A hint, best effort: it stops at the first key that is not cached, when the
         prefetch queue is full (back-pressure) or when no room can be made. A loaded page is
@@ -558,23 +630,50 @@ class BlockStore:
                 f"prefetch into {tier.label} is not available: prefetch loads pages into host; "
                 "acquire into device promotes them from there"
             )
-        room = self._mover.prefetch_room()
+        accepted, complete = self._run(lambda: self._prefetch_local(session, namespace, keys, priority))
+        if not complete or accepted == len(keys) or not self.cluster:
+            return accepted
+        rest = keys[accepted:]
+        found = self._mover.remote_present(namespace, rest)
+        if found:
+            parent = keys[accepted - 1] if accepted else None
+            accepted += self._run(lambda: self._prefetch_remote(session, namespace, rest[:found], parent, priority))
+        return accepted
+
+    def _prefetch_local(self, session: SessionId, namespace: str, keys: list[bytes], priority: int) -> tuple[int, bool]:
+        """(leading keys accepted, whether it stopped only because a key is not cached here)."""
+        room = self._mover.prefetch_room(Tier.DISK)
         accepted = 0
         for key in keys:
             block = self._index.blocks.get((namespace, key))
             if block is None:
-                break
-            if tier not in block.copies:
+                return accepted, True
+            if Tier.HOST not in block.copies:
                 if room == 0:
                     break
                 try:
-                    self._loads.start(session, namespace, [block], tier, LoadKind.PREFETCH, priority)
+                    self._loads.start(session, namespace, [block], Tier.HOST, LoadKind.PREFETCH, priority)
                 except CapacityError:
                     break
-                block.copies[tier].waiters -= 1  # nobody waits: the hold protects it once loaded
+                block.copies[Tier.HOST].waiters -= 1  # nobody waits: the hold protects it once loaded
                 room -= 1
             accepted += 1
-        return accepted
+        return accepted, False
+
+    def _prefetch_remote(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
+                         priority: int) -> int:
+        """Prefetch keys the cluster holds, up to the first one this node has meanwhile."""
+        room = self._mover.prefetch_room(Tier.CLUSTER)
+        keys = keys[:room]
+        keys = keys[:next((i for i, key in enumerate(keys) if (namespace, key) in self._index.blocks), len(keys))]
+        if not keys:
+            return 0
+        try:
+            blocks = self._loads.start_remote(session, namespace, keys, parent, LoadKind.PREFETCH, priority)
+        except CapacityError:
+            return 0
+        self._index.stop_waiting(blocks, Tier.HOST)  # nobody waits: the hold protects them once loaded
+        return len(blocks)
 
     @_locked
     def stop_loads(self) -> None:

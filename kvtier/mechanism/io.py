@@ -1,6 +1,7 @@
-"""The disk I/O engine: `depth` worker threads that load disk pages straight into host
-slots (O_DIRECT preadv into the page itself, no bounce buffer), loads for an Acquire ahead
-of prefetches; and the write-back thread that drives the core's disk writes
+"""The load engines: `PageReader`, `depth` worker threads that load pages into host slots,
+loads for an Acquire ahead of prefetches, with its two sources, `DiskReader` (O_DIRECT
+preadv into the page itself, no bounce buffer) and `ClusterReader` (a batch of pages per
+round trip); and the write-back thread that drives the core's disk writes
 (`WriteBackThread`).
 
 Random reads without readahead reach a device's bandwidth only with many requests in
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from kvtier.core.ports import LoadJob, LoadKind
 from kvtier.mechanism.bandwidth import Throughput
+from kvtier.mechanism.cluster import ClusterTier
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 
@@ -41,15 +43,23 @@ class IOStats:
 Observer = Callable[[LoadKind, float, int, bool], None]
 
 
-class DiskReader:
-    def __init__(self, disk: DiskTier, host: HostArena, *, depth: int = 8, max_queued_prefetch: int = 1024,
-                 observer: Observer | None = None, throughput: Throughput | None = None) -> None:
-        """`throughput` hears of every busy period (first read started to queue drained)."""
+class PageReader:
+    """The queue and workers; a source says how to read a batch of jobs (`_read`)."""
+
+    #: Thread names: kvtier-<source>-read-<i>.
+    source = "page"
+
+    def __init__(self, host: HostArena, slot_bytes: int, *, depth: int = 8, batch: int = 1,
+                 max_queued_prefetch: int = 1024, observer: Observer | None = None,
+                 throughput: Throughput | None = None) -> None:
+        """A worker takes up to `batch` queued jobs at once. `throughput` hears of every busy
+        period (first read started to queue drained)."""
         if depth < 1:
             raise ValueError(f"io depth must be at least 1, got {depth}")
-        self.disk = disk
         self.host = host
+        self.slot_bytes = slot_bytes
         self.depth = depth
+        self.batch = batch
         self.max_queued_prefetch = max_queued_prefetch
         self.observer = observer
         self.throughput = throughput
@@ -62,7 +72,7 @@ class DiskReader:
         self._cond = threading.Condition()
         self._closed = False
         self._workers = [
-            threading.Thread(target=self._work, name=f"kvtier-disk-read-{i}", daemon=True) for i in range(depth)
+            threading.Thread(target=self._work, name=f"kvtier-{self.source}-read-{i}", daemon=True) for i in range(depth)
         ]
         for worker in self._workers:
             worker.start()
@@ -75,7 +85,7 @@ class DiskReader:
     def submit(self, job: LoadJob) -> None:
         with self._cond:
             if self._closed:
-                raise RuntimeError("disk reader is closed")
+                raise RuntimeError(f"{self.source} reader is closed")
             self._push(job)
             self._cond.notify()
 
@@ -118,43 +128,89 @@ class DiskReader:
         for worker in self._workers:
             worker.join()
 
-    def _next(self) -> LoadJob | None:
+    def _next(self) -> list[LoadJob]:
+        """Up to `batch` jobs, best first; empty once closed."""
         with self._cond:
+            jobs: list[LoadJob] = []
             while not self._closed:
-                while self._heap:
+                while self._heap and len(jobs) < self.batch:
                     kind, _, _, job = heapq.heappop(self._heap)
                     if job.cancelled or job.started or kind != job.kind:
                         continue  # withdrawn, or superseded by a boosted entry
                     job.started = True
                     self._queued[job.kind] -= 1
                     self._in_flight += 1
+                    jobs.append(job)
+                if jobs:
                     if self._busy_since is None:
                         self._busy_since = time.monotonic()
-                    return job
+                    return jobs
                 self._cond.wait()
-            return None
+            return jobs
 
     def _end_busy_period(self) -> None:
         if self.throughput is not None and self._busy_since is not None:
             self.throughput.observe(self._busy_bytes, time.monotonic() - self._busy_since)
         self._busy_since, self._busy_bytes = None, 0
 
+    def _read(self, jobs: list[LoadJob]) -> list[bool]:
+        """Read each job's page into its host slot; False for a page that cannot be trusted."""
+        raise NotImplementedError
+
     def _work(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                ok = self.disk.read_page(job.record, self.host.view(job.host_slot))
-            except OSError:
-                # A failing device: the page cannot be trusted, so it goes like a corrupt one.
-                # DiskTier.read_page counted it (io_errors) and logs once per episode.
-                ok = False
+        while jobs := self._next():
+            results = self._read(jobs)
             with self._cond:
-                self._in_flight -= 1
-                self._busy_bytes += self.disk.layout.slot_bytes
+                self._in_flight -= len(jobs)
+                self._busy_bytes += self.slot_bytes * sum(results)
                 if self._in_flight == 0 and not any(self._queued.values()):
                     self._end_busy_period()
-            if self.observer is not None:
-                self.observer(job.kind, time.monotonic() - job.enqueued, self.disk.layout.slot_bytes, ok)
-            job.on_done(job, ok)
+            for job, ok in zip(jobs, results):
+                if self.observer is not None:
+                    self.observer(job.kind, time.monotonic() - job.enqueued, self.slot_bytes, ok)
+                job.on_done(job, ok)
+
+
+class DiskReader(PageReader):
+    """Disk pages, one per worker at a time: random reads reach the device's bandwidth
+    with `depth` requests in flight."""
+
+    source = "disk"
+
+    def __init__(self, disk: DiskTier, host: HostArena, **options) -> None:
+        self.disk = disk
+        super().__init__(host, disk.layout.slot_bytes, **options)
+
+    def _read(self, jobs: list[LoadJob]) -> list[bool]:
+        (job,) = jobs
+        try:
+            return [self.disk.read_page(job.record, self.host.view(job.host_slot))]
+        except OSError:
+            # A failing device: the page cannot be trusted, so it goes like a corrupt one.
+            # DiskTier.read_page counted it (io_errors) and logs once per episode.
+            return [False]
+
+
+class ClusterReader(PageReader):
+    """Cluster pages, a batch per worker: one pipelined round trip per store node for up to
+    `batch` pages of a namespace. A page the cluster no longer holds, or one that fails its
+    checksum, is False like a corrupt disk page (the core drops its host copy)."""
+
+    source = "cluster"
+
+    def __init__(self, tier: ClusterTier, host: HostArena, *, batch: int = 32, **options) -> None:
+        self.tier = tier
+        super().__init__(host, tier.page_bytes, batch=batch, **options)
+
+    def _read(self, jobs: list[LoadJob]) -> list[bool]:
+        results: dict[int, bool] = {}
+        by_namespace: dict[str, list[LoadJob]] = {}
+        for job in jobs:
+            by_namespace.setdefault(job.record.namespace, []).append(job)
+        for namespace, group in by_namespace.items():
+            ok = self.tier.read(namespace, [j.record.key for j in group], [self.host.view(j.host_slot) for j in group])
+            results.update(zip(map(id, group), ok))
+        return [results[id(job)] for job in jobs]
 
 
 class WriteBackThread:

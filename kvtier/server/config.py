@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvtier.mechanism.cluster.redis import ClusterAddress
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.policy import PolicyName
 from kvtier.units import parse_size
@@ -91,6 +92,21 @@ class TiersConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster tier (kvtier.mechanism.cluster): a Redis or Valkey Cluster every node
+    shares; `url` "" = no cluster tier."""
+
+    url: str  # redis://[user[:password]@]host:port,host:port (rediss:// for TLS)
+    password_file: str  # the password, from a file (kept off the command line); overrides the URL's
+    tls_ca: str  # PEM CA that signed the cluster's certificates (rediss://)
+    acl_file: str  # TOML: [namespaces."<namespace>"] username = "...", password = "..." (an ACL user per tenant)
+    prefix: str  # first part of every key: `<prefix>:<layout>:<namespace>:<key hex>`
+    write: bool  # copy committed pages to the cluster (False: this node only reads it)
+    timeout: float  # seconds: every socket operation
+    queue: int  # bytes of committed pages waiting for the cluster writer per pool; 0 = a quarter of host_size
+
+
+@dataclass(frozen=True)
 class SessionsConfig:
     session_timeout: float
     drain_timeout: float
@@ -113,13 +129,15 @@ class DaemonConfig:
     listen: ListenConfig
     auth: AuthConfig
     tiers: TiersConfig
+    cluster: ClusterConfig
     sessions: SessionsConfig
     metrics: MetricsConfig
     log: LogConfig
 
 
 _SECTIONS: dict[str, type] = {
-    "listen": ListenConfig, "auth": AuthConfig, "tiers": TiersConfig, "sessions": SessionsConfig,
+    "listen": ListenConfig, "auth": AuthConfig, "tiers": TiersConfig, "cluster": ClusterConfig,
+    "sessions": SessionsConfig,
     "metrics": MetricsConfig, "log": LogConfig,
 }
 
@@ -281,6 +299,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once."),
     Option("warm_restart_window", "tiers", DURATION_OR_ZERO, "5m",
            "How long the arena keeper holds a crashed daemon's host pages for its successor (0 = a crash loses them)."),
+    Option("cluster", "cluster", TEXT, "", "Cluster tier below disk, shared by nodes: redis://[USER[:PASSWORD]@]HOST:PORT,"
+           "HOST:PORT (Redis or Valkey Cluster; rediss:// for TLS).", shown="off", field="url", metavar="URL"),
+    Option("cluster_password_file", "cluster", PATH, "", "File holding the cluster password (overrides the URL's).",
+           shown="none", field="password_file"),
+    Option("cluster_tls_ca", "cluster", PATH, "", "PEM CA of the cluster's TLS certificates (rediss://).", shown="system",
+           field="tls_ca"),
+    Option("cluster_acl_file", "cluster", PATH, "", 'TOML: [namespaces."NS"] username, password: a cluster ACL user per '
+           "namespace.", shown="none", field="acl_file"),
+    Option("cluster_prefix", "cluster", TEXT, "kvtier", "First part of every cluster key (<prefix>:<layout>:<namespace>:<key>).",
+           field="prefix"),
+    Option("cluster_write", "cluster", BOOL, True, "Copy committed pages to the cluster (--no-cluster-write: only read it).",
+           field="write", off_flag="no-cluster-write"),
+    Option("cluster_timeout", "cluster", DURATION, "500ms", "Timeout of every cluster socket operation.", field="timeout"),
+    Option("cluster_queue", "cluster", SIZE, "0", "Committed pages waiting for the cluster writer, per layout; more are "
+           "not written.", shown="host_size / 4", field="queue"),
     Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
     Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
     Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
@@ -384,6 +417,22 @@ def _validate(cfg: DaemonConfig) -> None:
         raise ConfigError("max_queued_prefetch must be >= 0 (0 turns prefetch off)")
     if tiers.max_pools < 1:
         raise ConfigError("max_pools must be at least 1")
+    if cfg.cluster.url:
+        try:
+            ClusterAddress.parse(cfg.cluster.url)
+        except ValueError as exc:
+            raise ConfigError(f"cluster: {exc}") from None
+        if not cfg.cluster.prefix or ":" in cfg.cluster.prefix:
+            raise ConfigError("cluster_prefix must be non-empty and without ':' (it is the first part of every key)")
+        if cfg.cluster.password_file and not os.access(cfg.cluster.password_file, os.R_OK):
+            raise ConfigError(f"cluster_password_file {cfg.cluster.password_file} cannot be read")
+        if cfg.cluster.acl_file:
+            for namespace, user in read_toml(cfg.cluster.acl_file, "cluster_acl_file").get("namespaces", {}).items():
+                if not isinstance(user, dict) or not isinstance(user.get("username"), str):
+                    raise ConfigError(f'cluster_acl_file {cfg.cluster.acl_file}: [namespaces."{namespace}"] needs '
+                                      'username = "..." (and password = "...")')
+        if cfg.cluster.timeout <= 0:
+            raise ConfigError("cluster_timeout must be positive")
     if cfg.metrics.port < 0 or cfg.metrics.port > 65535:
         raise ConfigError("metrics_port must be 0 (off) or a TCP port")
 

@@ -86,7 +86,8 @@ class Daemon:
         window = config.tiers.warm_restart_window
         keeper = (KeeperClient.connect_or_start(keeper_path(config.tiers.cache_dir, config.listen.socket), window)
                   if window > 0 else None)
-        self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load, keeper=keeper)
+        self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load, keeper=keeper,
+                                  cluster=config.cluster, cluster_observer=self.metrics.observe_cluster)
         self.drain = DrainGate(self.pools.open_leases)
         auth = Authorizer.from_config(config.auth)
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
@@ -94,7 +95,8 @@ class Daemon:
         self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions)
         ops = HotOps(self.sessions, self.drain)
         self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics) if config.listen.lane else None
-        self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot)
+        self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot,
+                           self.pools.cluster_snapshot)
         self.service = KVTierService(
             sessions=self.sessions, pools=self.pools, auth=auth, drain=self.drain,
             metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(), handoff_socket=self.handoff.path,

@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.core import StoreUsage
+from kvtier.events import EventStats
+from kvtier.mechanism.cluster import ClusterStats, FaultKind
 from kvtier.mechanism.io import IOStats, LoadKind
 from kvtier.server.pools import Pool
 
@@ -20,6 +22,8 @@ Snapshot = Callable[[], list[tuple[Pool, StoreUsage]]]
 DiskSnapshot = Callable[[], list[tuple[str, IOStats, int, int]]]
 # (pool id, tier, measured read bytes per second) for each pool and tier with a figure.
 BandwidthSnapshot = Callable[[], list[tuple[str, Tier, float]]]
+# (pool id, cluster tier counters, bytes queued for its writer) for each pool with a cluster tier.
+ClusterSnapshot = Callable[[], list[tuple[str, ClusterStats, int]]]
 
 _LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -148,6 +152,46 @@ class _DiskCollector:
         yield from (read, written, queued, in_flight)
 
 
+class _ClusterCollector:
+    def __init__(self, snapshot: ClusterSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        def counter(name: str, text: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, text, labels=["pool", *extra])
+
+        looked_up = counter("kvtier_cluster_lookup_blocks", "Keys asked of the cluster tier after this node's tiers missed.")
+        hits = counter("kvtier_cluster_hits", "Of those, found in the cluster (its hit prefix).")
+        read_pages = counter("kvtier_cluster_read_pages", "Pages loaded from the cluster tier, checksums verified.")
+        read_bytes = counter("kvtier_cluster_read_bytes", "Bytes loaded from the cluster tier.")
+        read_misses = counter("kvtier_cluster_read_misses", "Pages asked of the cluster that it no longer held (evicted there).")
+        written_pages = counter("kvtier_cluster_written_pages", "Committed pages written to the cluster tier.")
+        written_bytes = counter("kvtier_cluster_written_bytes", "Bytes written to the cluster tier.")
+        dropped = counter("kvtier_cluster_writes_dropped", "Committed pages not written: the writer's queue was full "
+                                                            "or the cluster failing.")
+        faults = counter("kvtier_cluster_faults", "Keys whose cluster call failed, by kind (unavailable, timeout, moved, "
+                                                  "full, corrupt, other): each one a miss.", ("kind",))
+        memory = GaugeMetricFamily("kvtier_cluster_memory_bytes", "The cluster's own memory figures summed over its "
+                                   "primaries: used, and limit (maxmemory; 0 = none).", labels=["pool", "kind"])
+        queued = GaugeMetricFamily("kvtier_cluster_write_queue_bytes", "Committed pages waiting for the cluster writer.",
+                                   labels=["pool"])
+        for pool_id, s, queue in self._snapshot():
+            lv = [pool_id]
+            for family, value in ((looked_up, s.looked_up), (hits, s.found), (read_pages, s.pages_read),
+                                  (read_bytes, s.bytes_read), (read_misses, s.read_misses),
+                                  (written_pages, s.pages_written), (written_bytes, s.bytes_written),
+                                  (dropped, s.writes_dropped)):
+                family.add_metric(lv, value)
+            for kind in FaultKind:
+                faults.add_metric([pool_id, kind.value], s.faults.get(kind, 0))
+            if s.memory is not None:
+                memory.add_metric([pool_id, "used"], s.memory.used)
+                memory.add_metric([pool_id, "limit"], s.memory.limit)
+            queued.add_metric(lv, queue)
+        yield from (looked_up, hits, read_pages, read_bytes, read_misses, written_pages, written_bytes, dropped, faults,
+                    memory, queued)
+
+
 class _BandwidthCollector:
     def __init__(self, snapshot: BandwidthSnapshot) -> None:
         self._snapshot = snapshot
@@ -161,6 +205,28 @@ class _BandwidthCollector:
         for pool_id, tier, value in self._snapshot():
             gauge.add_metric([pool_id, tier.name.lower()], value)
         yield gauge
+
+
+class _EventsCollector:
+    """The KV event publisher's counters (docs/events.md)."""
+
+    def __init__(self, stats: Callable[[], EventStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        published = CounterMetricFamily(
+            "kvtier_events_published", "Block events (a copy arriving in or leaving a tier) sent over ZMQ.")
+        published.add_metric([], stats.published)
+        dropped = CounterMetricFamily(
+            "kvtier_events_dropped",
+            "Block events not delivered, by where: buffer (the publisher fell behind; lost for every consumer) or "
+            "watcher (a WatchEvents stream read too slowly; lost for that stream).", labels=["where"])
+        dropped.add_metric(["buffer"], stats.dropped)
+        dropped.add_metric(["watcher"], stats.watcher_missed)
+        watchers = GaugeMetricFamily("kvtier_events_watchers", "Open WatchEvents streams.")
+        watchers.add_metric([], stats.watchers)
+        yield from (published, dropped, watchers)
 
 
 class Metrics:
@@ -183,6 +249,13 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+        self.cluster_duration = Histogram(
+            "kvtier_cluster_op_duration_seconds",
+            "Time of one batch against the cluster tier, by operation (exists, get, put, delete).",
+            ["op"],
+            buckets=_LOAD_BUCKETS,
+            registry=self.registry,
+        )
         self.reloads = Counter(
             "kvtier_reloads", "Re-readings of the tokens file (SIGHUP): ok, or error (the file was refused, or a "
             "pool refused its quotas).", ["result"], registry=self.registry,
@@ -191,17 +264,26 @@ class Metrics:
             self.reloads.labels(result)
 
     def watch(self, snapshot: Snapshot, sessions: Callable[[], int], disk_snapshot: DiskSnapshot,
-              bandwidth_snapshot: BandwidthSnapshot) -> None:
+              bandwidth_snapshot: BandwidthSnapshot, cluster_snapshot: ClusterSnapshot) -> None:
         """Read these at every scrape (the pool registry's snapshots and the session count).
         A second step because the pools report their loads to `observe_load`."""
         self.registry.register(_StoreCollector(snapshot, sessions))
         self.registry.register(_NamespaceCollector(snapshot))
         self.registry.register(_DiskCollector(disk_snapshot))
         self.registry.register(_BandwidthCollector(bandwidth_snapshot))
+        self.registry.register(_ClusterCollector(cluster_snapshot))
+
+    def watch_events(self, stats: Callable[[], EventStats]) -> None:
+        """Read the KV event publisher's counters at every scrape (daemons with events on)."""
+        self.registry.register(_EventsCollector(stats))
 
     def observe_load(self, kind: LoadKind, seconds: float, nbytes: int, ok: bool) -> None:
         """The pools' DiskReader observer."""
         self.load_duration.labels(kind.name.lower(), "ok" if ok else "corrupt").observe(seconds)
+
+    def observe_cluster(self, op: str, seconds: float) -> None:
+        """The pools' cluster tier observer."""
+        self.cluster_duration.labels(op).observe(seconds)
 
     def serve(self, host: str, port: int):
         """Start the /metrics HTTP endpoint; returns (server, thread) for shutdown."""

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, KVTierError, NotFound
 from kvtier_client.ids import LeaseId, SessionId
@@ -20,15 +20,19 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore, LeaseKind, Quota, StoreUsage, clean_reserve
+from kvtier.core.index import TierCounters
+from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
+from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RedisClusterStore
+from kvtier.mechanism.cluster.tier import LatencyObserver
 from kvtier.mechanism.device import CopyEngine, DeviceArena, DeviceNoSpace, pin_host
 from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
-from kvtier.mechanism.io import DiskReader, IOStats, Observer, WriteBackThread
+from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
-from kvtier.mechanism.mover import ArenaMover
+from kvtier.mechanism.mover import ArenaMover, ClusterParts
 from kvtier.policy import POLICIES, PolicyName
-from kvtier.server.config import TiersConfig
+from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
 from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
@@ -68,14 +72,41 @@ class PoolConfig:
         )
 
 
+def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, host_bytes: int,
+                  max_queued_prefetch: int, observer: LatencyObserver | None = None) -> ClusterParts:
+    """One pool's cluster tier: its stores (the default user, and one per namespace listed
+    in the ACL file), its readers and, unless the node only reads, its writer."""
+    def store(username: str | None = None, password: str | None = None) -> RedisClusterStore:
+        return RedisClusterStore(config.url, username=username, password=password, tls_ca=config.tls_ca or None,
+                                 timeout=config.timeout)
+
+    password = None
+    if config.password_file:  # readable: checked when the configuration was loaded
+        with open(config.password_file) as f:
+            password = f.read().strip()
+    per_namespace = {}
+    if config.acl_file:
+        for namespace, user in read_toml(config.acl_file, "cluster_acl_file").get("namespaces", {}).items():
+            per_namespace[namespace] = store(str(user["username"]), str(user.get("password", "")) or None)
+    tier = ClusterTier(store(password=password), page_bytes=layout.page_bytes, layout_id=layout.layout_id,
+                       prefix=config.prefix, namespace_stores=per_namespace, observer=observer)
+    reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch)
+    writer = None
+    if config.write:
+        writer = ClusterWriter(tier, host.view, max_bytes=max(config.queue or host_bytes // 4, layout.page_bytes))
+    return ClusterParts(tier, reader, writer)
+
+
 class Pool:
     def __init__(
         self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None, *,
-        keeper: KeeperClient | None = None, kept: list[KeptFile] = (),
+        keeper: KeeperClient | None = None, kept: list[KeptFile] = (), cluster: ClusterConfig | None = None,
+        cluster_observer: LatencyObserver | None = None,
     ) -> None:
         """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics.
         `keeper` holds the host memory for a successor; `kept` is what a crashed
-        predecessor left there for this layout (adopted)."""
+        predecessor left there for this layout (adopted). `cluster` (with a url): a cluster
+        tier below the others; `cluster_observer` hears the latency of its batches."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
         device_pages = layout.pages_in(config.device_bytes, "device") if config.device_bytes else 0
@@ -92,6 +123,7 @@ class Pool:
         self.device: DeviceArena | None = None
         self.copies: CopyEngine | None = None
         self.write_back: WriteBackThread | None = None
+        self.cluster: ClusterParts | None = None
         self._unpin_host = None
         try:
             if device_pages:
@@ -110,12 +142,17 @@ class Pool:
                     self.disk, self.host, depth=config.io_depth, max_queued_prefetch=config.max_queued_prefetch,
                     observer=observer, throughput=self.bandwidth[Tier.DISK],
                 )
+            if cluster is not None and cluster.url:
+                self.cluster = cluster_parts(cluster, layout, self.host, config.host_bytes, config.max_queued_prefetch,
+                                             cluster_observer)
             self.store = BlockStore(
                 layout,
                 host_pages=host_pages,
                 disk_pages=disk_pages,
                 device_pages=device_pages,
-                mover=ArenaMover(self.host, self.disk, self.reader, self.copies),
+                mover=ArenaMover(self.host, self.disk, self.reader, self.copies, self.cluster),
+                cluster=self.cluster is not None,
+                cluster_write=self.cluster is not None and self.cluster.writer is not None,
                 policy=POLICIES[PolicyName(config.policy)],
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
@@ -135,6 +172,22 @@ class Pool:
     @property
     def pool_id(self) -> str:
         return self.layout.layout_id
+
+    def usage(self) -> StoreUsage:
+        """The store's figures, with a row for the cluster tier when there is one: its pages
+        are the cluster's own memory figures over what one page takes there (shared with
+        every node and layout, so an estimate), its counters this node's."""
+        usage = self.store.stats()
+        if self.cluster is None:
+            return usage
+        s, value_bytes = self.cluster.tier.stats(), self.cluster.tier.value_bytes
+        cached = s.memory.used // value_bytes if s.memory else 0
+        capacity = max(s.memory.limit // value_bytes, cached) if s.memory else 0
+        faults = sum(n for kind, n in s.faults.items() if kind is not FaultKind.CORRUPT)
+        counters = TierCounters(hits=s.found, bytes_in=s.bytes_written, corrupt_pages=s.faults[FaultKind.CORRUPT],
+                                io_errors=faults)
+        row = TierUsage(Tier.CLUSTER, capacity, capacity - cached, 0, cached, 0, 0, 0, counters)
+        return replace(usage, tiers=(*usage.tiers, row))
 
     # -- the byte slow path: page bytes over gRPC, for clients on another host ----------
     def read_pages(self, session: SessionId, lease_id: LeaseId) -> list[bytes]:
@@ -168,9 +221,12 @@ class Pool:
         keep_arena = False
         try:
             self._stop_write_back()  # its batch in flight is filed first
+            self._stop_cluster_writes()
             self.store.stop_loads()
             if self.reader is not None:
                 self.reader.close()  # loads in flight finish first
+            if self.cluster is not None:
+                self.cluster.reader.close()
             self.store.persist(deadline)
             keep_arena = deadline is not None and time.monotonic() >= deadline and self.store.unsaved() > 0
             if keep_arena:
@@ -185,8 +241,18 @@ class Pool:
             self.write_back.stop()
             self.write_back = None
 
+    def _stop_cluster_writes(self) -> None:
+        """Let the cluster writer finish what is queued (bounded by its timeouts): its
+        pages are protected host slots, released as it reports."""
+        if self.cluster is not None and self.cluster.writer is not None:
+            self.cluster.writer.close()
+
     def _close_tiers(self, *, keep_arena: bool = False) -> None:
         self._stop_write_back()  # no write after the disk closes
+        self._stop_cluster_writes()
+        if self.cluster is not None:
+            self.cluster.reader.close()
+            self.cluster.tier.close()
         if self.copies is not None:
             self.copies.close()  # copies in flight land first
         if self._unpin_host is not None:
@@ -205,10 +271,14 @@ class PoolRegistry:
     closed at shutdown. Snapshots for Stats and metrics hold each store's lock only while
     reading its counts, never the registry's lock."""
 
-    def __init__(self, tiers: TiersConfig, observer: Observer | None = None, keeper: KeeperClient | None = None) -> None:
+    def __init__(self, tiers: TiersConfig, observer: Observer | None = None, keeper: KeeperClient | None = None,
+                 cluster: ClusterConfig | None = None, cluster_observer: LatencyObserver | None = None) -> None:
         """`observer` hears of every pool's finished disk loads (metrics); `keeper` holds the
-        pools' host memory across a crash (None: a crash loses the host tier)."""
+        pools' host memory across a crash (None: a crash loses the host tier); `cluster`
+        gives every pool a cluster tier (`cluster_observer` hears its batches' latency)."""
         self._config = PoolConfig.from_tiers(tiers)
+        self._cluster = cluster
+        self._cluster_observer = cluster_observer
         self._max_pools = tiers.max_pools
         self._observer = observer
         self._keeper = keeper
@@ -254,7 +324,8 @@ class PoolRegistry:
                 )
             try:
                 pool = Pool(layout, self._config, observer=self._observer, keeper=self._keeper,
-                            kept=self._kept.pop(layout.layout_id, []))
+                            kept=self._kept.pop(layout.layout_id, []), cluster=self._cluster,
+                            cluster_observer=self._cluster_observer)
             except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
             except DiskLayoutMismatch as exc:  # the operator's to fix; the log says so too
@@ -290,7 +361,7 @@ class PoolRegistry:
             return [pool.pool_id for pool in self._pools.values() if not _apply_quotas(pool, quotas)]
 
     def snapshot(self) -> list[tuple[Pool, StoreUsage]]:
-        return [(pool, pool.store.stats()) for pool in self._all()]
+        return [(pool, pool.usage()) for pool in self._all()]
 
     def disk_snapshot(self) -> list[tuple[str, IOStats, int, int]]:
         """(pool id, reader stats, bytes read, bytes written) for each pool with a disk tier."""
@@ -298,6 +369,14 @@ class PoolRegistry:
             (pool.pool_id, pool.reader.stats(), pool.disk.bytes_read, pool.disk.bytes_written)
             for pool in self._all()
             if pool.reader is not None and pool.disk is not None
+        ]
+
+    def cluster_snapshot(self) -> list[tuple[str, ClusterStats, int]]:
+        """(pool id, cluster tier counters, bytes queued for its writer) per pool with one."""
+        return [
+            (pool.pool_id, pool.cluster.tier.stats(), pool.cluster.writer.queued_bytes() if pool.cluster.writer else 0)
+            for pool in self._all()
+            if pool.cluster is not None
         ]
 
     def bandwidth_snapshot(self) -> list[tuple[str, Tier, float]]:

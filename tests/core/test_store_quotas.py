@@ -152,7 +152,7 @@ def test_a_prefetch_at_its_quota_just_stops():
     put(s, "B", k("b1"), k("b2"))  # A's pages go to disk
     s.set_quotas({"A": Quota(max_host_pages=1)})
     read = s.acquire(S, "A", [k("a1")])  # A's one page, pinned
-    s._mover.prefetch_room = lambda: 10  # the bookkeeping mover takes prefetches here
+    s._mover.prefetch_room = lambda source: 10  # the bookkeeping mover takes prefetches here
     assert s.prefetch(S, "A", [k("a2")]) == 0
     s.release(S, read.lease_id)
     check_invariants(s)

@@ -1,0 +1,202 @@
+"""ClusterTier: one page layout's pages on a RemoteStore, as batches.
+
+Every fault is a miss: a dead shard, a failover or reshard in progress, a timeout, an
+evicted key (maxmemory), a cluster that is down. It is counted by kind, logged once when
+an episode of faults begins and once when calls succeed again, and never raised to the
+caller. A value that fails its header or checksum is deleted from the store and counted:
+no node reads it again.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
+from kvtier.mechanism.cluster.values import HEADER, cluster_key, decode_into, encode, layout_hash
+
+log = logging.getLogger(__name__)
+
+#: Called with (operation, seconds) for every batch: "exists", "get", "put".
+LatencyObserver = Callable[[str, float], None]
+
+
+@dataclass
+class ClusterStats:
+    """Counters of one ClusterTier (read under its lock: `ClusterTier.stats`)."""
+
+    looked_up: int = 0  # keys asked about by lookups (after the local tiers missed)
+    found: int = 0  # of those, present in the cluster (the hit prefix)
+    pages_read: int = 0  # pages loaded from the cluster, checksums verified
+    bytes_read: int = 0
+    read_misses: int = 0  # pages asked for that were absent (evicted there, or never stored)
+    pages_written: int = 0
+    bytes_written: int = 0
+    writes_dropped: int = 0  # pages not written: the queue was full or the cluster down
+    faults: Counter = field(default_factory=Counter)  # FaultKind -> keys failed
+    memory: RemoteMemory | None = None  # the store's own figures, last read
+
+
+class ClusterTier:
+    """Pages of one layout on `store` (per-namespace stores in `namespace_stores`, for
+    clusters that give each tenant its own ACL user)."""
+
+    #: How long the store's memory figures are reused before asking again.
+    MEMORY_TTL = 5.0
+
+    def __init__(self, store: RemoteStore, *, page_bytes: int, layout_id: str, prefix: str = "kvtier",
+                 namespace_stores: Mapping[str, RemoteStore] | None = None,
+                 observer: LatencyObserver | None = None) -> None:
+        self.store = store
+        self.page_bytes = page_bytes
+        self.layout_id = layout_id
+        self.prefix = prefix
+        self.namespace_stores = dict(namespace_stores or {})
+        self.observer = observer
+        self._layout = layout_hash(layout_id)
+        self._lock = threading.Lock()
+        self._stats = ClusterStats()
+        self._episode: Counter = Counter()  # faults since the last success; empty = healthy
+        self._memory_at = 0.0
+
+    # -- batches ----------------------------------------------------------------
+    def present(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the cluster holds (one round trip per node)."""
+        if not keys:
+            return 0
+        replies = self._call("exists", namespace, lambda s, ks: s.exists(ks), keys)
+        found = 0
+        for reply in replies:
+            if reply is not True:
+                break
+            found += 1
+        with self._lock:
+            self._stats.looked_up += len(keys)
+            self._stats.found += found
+        return found
+
+    def read(self, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+        """Fetch each key's page into its view; False where it is absent, failed, or corrupt
+        (a corrupt value is deleted from the store)."""
+        replies = self._call("get", namespace, lambda s, ks: s.get(ks), keys)
+        ok, corrupt = [], []
+        absent = 0
+        for key, reply, view in zip(keys, replies, views):
+            good = isinstance(reply, (bytes, bytearray)) and decode_into(self._layout, reply, view)
+            if not good and isinstance(reply, (bytes, bytearray)):
+                corrupt.append(key)
+            absent += reply is None
+            ok.append(good)
+        if corrupt:
+            with self._lock:
+                self._stats.faults[FaultKind.CORRUPT] += len(corrupt)
+            log.warning("cluster tier: %d values of %r failed their header or checksum; deleted, never served",
+                        len(corrupt), namespace, extra={"pool": self.layout_id, "fault": FaultKind.CORRUPT.value})
+            self._call("delete", namespace, lambda s, ks: s.delete(ks), corrupt)
+        pages = sum(ok)
+        with self._lock:
+            self._stats.pages_read += pages
+            self._stats.bytes_read += pages * self.page_bytes
+            self._stats.read_misses += absent
+        return ok
+
+    def write(self, namespace: str, items: Sequence[tuple[bytes, memoryview]]) -> int:
+        """Store each (key, page); returns how many were stored."""
+        return sum(self.write_each(namespace, items))
+
+    def write_each(self, namespace: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """Store each (key, page); whether each was stored."""
+        values = [(key, encode(self._layout, page)) for key, page in items]
+        replies = self._call("put", namespace, lambda s, kvs: s.put(kvs), values, keyed=True)
+        ok = [r is True for r in replies]
+        stored = sum(ok)
+        with self._lock:
+            self._stats.pages_written += stored
+            self._stats.bytes_written += stored * self.page_bytes
+        return ok
+
+    def _call(self, op: str, namespace: str, run: Callable, items: Sequence, *, keyed: bool = False) -> list:
+        """Run one batch on the namespace's store with its keys made cluster keys; count
+        the faults in it. Never raises."""
+        if not items:
+            return []
+        store = self.namespace_stores.get(namespace, self.store)
+        if keyed:
+            batch = [(self.key(namespace, k), v) for k, v in items]
+        else:
+            batch = [self.key(namespace, k) for k in items]
+        start = time.perf_counter()
+        replies = run(store, batch)
+        if self.observer is not None:
+            self.observer(op, time.perf_counter() - start)
+        faults = [r for r in replies if isinstance(r, RemoteFault)]
+        if faults:
+            first = faults[0]
+            self._fault(first.kind, f"{op} of {len(items)} keys of {namespace!r}: {first.detail}",
+                        Counter(f.kind for f in faults))
+        else:
+            self._healthy()
+        return replies
+
+    def key(self, namespace: str, key: bytes) -> bytes:
+        return cluster_key(self.prefix, self.layout_id, namespace, key)
+
+    # -- health -------------------------------------------------------------------
+    def _fault(self, kind: FaultKind, detail: str, kinds: Counter) -> None:
+        with self._lock:
+            starts = not self._episode
+            self._episode.update(kinds)
+            self._stats.faults.update(kinds)
+        if starts:
+            log.warning("cluster tier: %s; such keys are misses until the cluster answers again", detail,
+                        extra={"pool": self.layout_id, "fault": kind.value})
+
+    def _healthy(self) -> None:
+        if not self._episode:
+            return
+        with self._lock:
+            episode, self._episode = self._episode, Counter()
+        if episode:
+            log.info("cluster tier answers again after %d failed keys (%s)", sum(episode.values()),
+                     ", ".join(f"{k.value} {n}" for k, n in sorted(episode.items())), extra={"pool": self.layout_id})
+
+    @property
+    def failing(self) -> bool:
+        """The last batch failed (an episode is under way): writers skip the cluster."""
+        return bool(self._episode)
+
+    # -- figures ------------------------------------------------------------------
+    def stats(self) -> ClusterStats:
+        """A copy of the counters, with the store's memory figures (re-read every
+        MEMORY_TTL seconds; None while the store cannot say)."""
+        now = time.monotonic()
+        if now - self._memory_at >= self.MEMORY_TTL:
+            self._memory_at = now
+            try:
+                memory = self.store.memory()
+            except RemoteFault:
+                memory = None
+            with self._lock:
+                self._stats.memory = memory
+        with self._lock:
+            s = self._stats
+            return ClusterStats(s.looked_up, s.found, s.pages_read, s.bytes_read, s.read_misses, s.pages_written,
+                                s.bytes_written, s.writes_dropped, Counter(s.faults), s.memory)
+
+    def dropped(self, n: int) -> None:
+        """`n` pages were not offered to the store (the writer's queue was full)."""
+        with self._lock:
+            self._stats.writes_dropped += n
+
+    @property
+    def value_bytes(self) -> int:
+        """What one page takes in the store, header included (before the store's own overhead)."""
+        return HEADER.size + self.page_bytes
+
+    def close(self) -> None:
+        self.store.close()
+        for store in self.namespace_stores.values():
+            store.close()
