@@ -120,3 +120,112 @@ def test_maxmemory_eviction_gives_misses_never_wrong_pages(nodes):
     assert 0 < found < 40 * 8  # the cluster kept some and evicted others
     row = cluster_row(b, b.pool.pool_id)
     assert row.corrupt_pages == 0 and row.io_errors == 0
+
+
+def write_prompts(client, n, seed, blocks=6):
+    """n prompts of `blocks` pages each, committed through `client`: [(keys, data)]."""
+    prompts = []
+    for i in range(n):
+        keys = client.block_keys(tokens(16 * blocks, seed=seed + i))
+        data = kv_pages(blocks, LAYOUT, seed=seed + i)
+        write_blocks(client, keys, data)
+        prompts.append((keys, data))
+    return prompts
+
+
+def read_checked(client, keys, data) -> int:
+    """Look up and acquire the prefix through `client`; every page it lends must be the one
+    written. A page lost between lookup and load is a NotFound for this call: a miss."""
+    try:
+        match, lease = client.acquire_prefix(keys)
+    except NotFound:
+        return 0
+    if lease is None:
+        return 0
+    with lease:
+        for page, payload in zip(lease.pages, data):
+            np.testing.assert_array_equal(as_bytes(page), payload)
+        return lease.ready
+
+
+def test_a_cluster_down_at_start_is_a_miss_not_an_error(daemons, tmp_path):
+    from kvtier_bench.services import free_port
+
+    (tmp_path / "a").mkdir()
+    d = daemons("--cluster", f"redis://127.0.0.1:{free_port()}", "--cluster-timeout", "200ms", path=tmp_path / "a")
+    with KVTierClient(d.target) as a:
+        a.register("tenant", LAYOUT)
+        (keys, data), = write_prompts(a, 1, seed=300)
+        assert read_checked(a, keys, data) == 6  # the node's own tiers work
+        other = a.block_keys(tokens(16 * 4, seed=301))
+        assert a.lookup(other).hit_blocks == 0
+        assert cluster_row(a, a.pool.pool_id).io_errors > 0  # counted as faults, served as misses
+    assert "cluster tier:" in d.log() and d.log().count("cluster tier:") < 5  # once per episode, not per call
+
+
+def test_killing_a_master_mid_read_gives_misses_never_errors(nodes):
+    a, b = nodes("a"), nodes("b")
+    prompts = write_prompts(a, 12, seed=400)
+    wait_until(lambda: b.lookup(prompts[-1][0]).hit_blocks == 6, what="the pages to reach the cluster")
+    read = [read_checked(b, keys, data) for keys, data in prompts[:4]]
+    nodes.cluster.kill(nodes.cluster.masters()[1])
+    read += [read_checked(b, keys, data) for keys, data in prompts[4:]]
+    assert sum(read[:4]) == 24 and sum(read[4:]) < 48  # a third of the slots went with the master
+    assert cluster_row(b, b.pool.pool_id).io_errors > 0
+    # The node still serves what it holds, and commits still work.
+    assert read_checked(b, *prompts[0]) == 6
+    write_prompts(b, 1, seed=450)
+
+
+def test_a_failover_keeps_the_pages(redis_cluster_replicas, daemons, tmp_path):
+    cluster = redis_cluster_replicas
+    clients = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        d = daemons("--cluster", cluster.url, "--cluster-timeout", "300ms", path=tmp_path / name)
+        clients.append(KVTierClient(d.target))
+        clients[-1].register("tenant", LAYOUT)
+    a, b = clients
+    try:
+        prompts = write_prompts(a, 8, seed=500)
+        wait_until(lambda: b.lookup(prompts[-1][0]).hit_blocks == 6, what="the pages to reach the cluster")
+        time.sleep(0.5)  # replication is asynchronous
+        master = cluster.masters()[0]
+        cluster.failover(cluster.replicas_of(master)[0], "default")
+        for keys, data in prompts:
+            assert read_checked(b, keys, data) == 6
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_reshard_under_load_gives_no_errors_and_no_wrong_pages(nodes):
+    a, b = nodes("a"), nodes("b")
+    prompts = write_prompts(a, 10, seed=600)
+    wait_until(lambda: b.lookup(prompts[-1][0]).hit_blocks == 6, what="the pages to reach the cluster")
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                read_checked(b, *prompts[i % len(prompts)])
+                write_prompts(a, 1, seed=700 + i)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+                return
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        cluster = nodes.cluster
+        cluster.reshard(300, cluster.masters()[0], cluster.masters()[1], batch=5)
+    finally:
+        stop.set()
+        worker.join()
+    assert not failures, failures
+    c = nodes("c")  # a node that holds nothing itself: every page comes from the resharded cluster
+    for keys, data in prompts:
+        assert read_checked(c, keys, data) == 6
