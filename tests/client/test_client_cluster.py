@@ -229,3 +229,31 @@ def test_a_reshard_under_load_gives_no_errors_and_no_wrong_pages(nodes):
     c = nodes("c")  # a node that holds nothing itself: every page comes from the resharded cluster
     for keys, data in prompts:
         assert read_checked(c, keys, data) == 6
+
+
+def test_a_namespace_with_its_own_acl_user_reaches_only_its_keys(nodes, tmp_path):
+    """The default user may not touch "tenant"'s keys; the ACL file gives "tenant" a user
+    that may touch only them. Pages of both namespaces still reach the cluster."""
+    cluster = nodes.cluster
+    for node in cluster.masters():
+        node.admin.execute_command("ACL", "SETUSER", "tenant-user", "on", ">s3cret", "~kvtier:*:tenant:*", "+@all")
+        node.admin.execute_command("ACL", "SETUSER", "kvtier-node", "on", ">node", "~kvtier:*:other:*", "+@all")
+    acl = tmp_path / "acl.toml"
+    acl.write_text('[namespaces."tenant"]\nusername = "tenant-user"\npassword = "s3cret"\n')
+    url = cluster.url.replace("redis://", "redis://kvtier-node:node@")
+    try:
+        a = nodes("a", "--cluster-acl-file", str(acl), "--cluster", url)
+        keys = a.block_keys(tokens(16 * 3, seed=800))
+        write_blocks(a, keys, kv_pages(3, LAYOUT, seed=800))
+        wait_until(lambda: cluster.client().exists(cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[0])),
+                   what="tenant's page written by its own ACL user")
+        # A namespace with no user of its own goes through the node's user, which may not
+        # write its keys: refused by the cluster, counted, never an error to the engine.
+        with KVTierClient(f"unix://{tmp_path / 'a' / 'run' / 'kvtier.sock'}") as third:
+            third.register("third", LAYOUT)
+            write_blocks(third, keys, kv_pages(3, LAYOUT, seed=801))
+            wait_until(lambda: cluster_row(third, third.pool.pool_id).io_errors >= 3, what="the refusals counted")
+        assert not cluster.client().exists(cluster_key("kvtier", LAYOUT.layout_id, "third", keys[0]))
+    finally:
+        for node in cluster.masters():
+            node.admin.execute_command("ACL", "DELUSER", "tenant-user", "kvtier-node")
