@@ -37,11 +37,9 @@ def layout_hash(layout_id: str) -> int:
 
 
 def encode(layout: int, page: memoryview) -> bytes:
-    """Header and page in one buffer (redis-py sends a value as one bulk string)."""
-    value = bytearray(HEADER.size + page.nbytes)
-    HEADER.pack_into(value, 0, MAGIC, VERSION, layout, page.nbytes, xxhash.xxh3_64_intdigest(page))
-    value[HEADER.size:] = page
-    return value
+    """Header and page in one buffer (redis-py sends a value as one bulk string): one copy."""
+    header = HEADER.pack(MAGIC, VERSION, layout, page.nbytes, xxhash.xxh3_64_intdigest(page))
+    return b"".join((header, page))
 
 
 def decode_into(layout: int, value: bytes, out: memoryview) -> bool:
