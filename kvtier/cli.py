@@ -4,10 +4,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import click
+from kvtier_client.errors import KVTierError, Unavailable
+from kvtier_client.events import EventStream, KVEvent
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
-from kvtier.admin import health_check, stats
+from kvtier.admin import _channel, _connection_options, _metadata, _target, _token_option, health_check, stats
 from kvtier.demo import demo
 from kvtier.policy import PolicyName
 from kvtier.replay.mooncake import read_trace, replay
@@ -52,6 +57,62 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
     click.echo(f"block hit rate {data['block_hit_rate']:.4f}")
     for tier, rate in data["tier_hit_rates"].items():
         click.echo(f"  from {tier:<8} {rate:.4f}")
+
+
+def event_json(event: KVEvent) -> dict:
+    return {"ts": event.ts, "kind": event.kind.name.lower(), "namespace": event.namespace,
+            "tier": event.tier.label if event.tier is not None else None, "keys": [k.hex() for k in event.keys],
+            "parent": event.parent.hex() if event.parent else None, "token_ids": list(event.token_ids),
+            "block_size": event.block_size}
+
+
+def event_line(event: KVEvent) -> str:
+    """One event in a line: when, what, where, whose, which blocks (keys cut to 12 hex digits)."""
+    when = time.strftime("%H:%M:%S", time.localtime(event.ts)) + f".{int(event.ts * 1000) % 1000:03d}"
+    tier = event.tier.label if event.tier is not None else "all"
+    line = f"{when} {event.kind.name.lower():<7} {tier:<7} {event.namespace}"
+    if event.keys:
+        span = event.keys[0].hex()[:12] + (f"..{event.keys[-1].hex()[:12]}" if len(event.keys) > 1 else "")
+        line += f"  {len(event.keys)} block{'s' if len(event.keys) > 1 else ''} {span}"
+    if event.parent:
+        line += f"  after {event.parent.hex()[:12]}"
+    if event.token_ids:
+        line += f"  {len(event.token_ids)} token ids"
+    return line
+
+
+@main.command("events")
+@_connection_options
+@_token_option
+@click.option("--namespace", "namespaces", multiple=True,
+              help="Only this namespace (repeatable). Default: every namespace the token grants.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event (keys in hex).")
+def events_command(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None,
+                   tls_key: str | None, token: str | None, namespaces: tuple[str, ...], as_json: bool) -> None:
+    """Print the daemon's KV events as they happen: blocks stored in, and removed from, each
+    tier (the daemon must run with --events). Ctrl-C stops."""
+    address = _target(socket, target)
+    channel = _channel(address, tls_ca, tls_cert, tls_key)
+    stub = kvtier_pb2_grpc.KVTierStub(channel)
+    try:
+        stream = EventStream(stub.WatchEvents(pb.WatchEventsRequest(namespaces=namespaces), metadata=_metadata(token)))
+        click.echo(f"watching KV events of {', '.join(namespaces) or 'every namespace the token grants'} at {address}; "
+                   "Ctrl-C stops", err=True)
+        missed = 0
+        for event in stream:
+            if stream.missed > missed:
+                click.echo(f"missed {stream.missed - missed} block events (this watcher fell behind)", err=True)
+                missed = stream.missed
+            click.echo(json.dumps(event_json(event)) if as_json else event_line(event))
+    except Unavailable:
+        raise click.ClickException(f"no kvtier daemon answers at {address}; start one with `kvtier serve --events ...` "
+                                   "or pass --socket/--target") from None
+    except KVTierError as exc:
+        raise click.ClickException(f"{exc.code}: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        channel.close()
 
 
 class _LazyBench(click.Command):

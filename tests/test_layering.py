@@ -54,6 +54,7 @@ ALLOWED = {
     "kvtier.policy": ("kvtier.policy",),
     "kvtier.core": ("kvtier.core", "kvtier.policy"),
     "kvtier.mechanism": ("kvtier.mechanism", "kvtier.core.ports", "kvtier.units"),
+    "kvtier.events": ("kvtier.events",),  # the daemon's KV event publisher: tiers and keys in, frames out
     "kvtier_client": ("kvtier_client",),
 }
 

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import threading
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -36,6 +37,7 @@ from kvtier_client.device import DeviceArenaView
 from kvtier_client.errors import (
     BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
 )
+from kvtier_client.events import EventStream
 from kvtier_client.handoff import attach
 from kvtier_client.hotpath import Granted, GrpcPath, HotPath, LanePath
 from kvtier_client.lane import Lane, LaneBroken
@@ -426,25 +428,45 @@ class KVTierClient:
     def _write_lease(self, session: _Session, grant: Granted) -> WriteLease:
         return WriteLease(self, session, grant.lease_id, grant.tier, grant.slots)
 
-    def commit(self, lease: WriteLease, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
-        """Publish a write lease's pages under `keys` (see WriteLease.commit)."""
-        result = self._for_lease(lease, lambda s: s.path.commit(lease.lease_id, keys, parent))
+    def commit(self, lease: WriteLease, keys: Sequence[BlockKey], *, parent: BlockKey | None = None,
+               token_ids: Sequence[int] | np.ndarray | None = None) -> CommitResult:
+        """Publish a write lease's pages under `keys` (see WriteLease.commit). `token_ids`:
+        the blocks' token ids, `block_tokens` per key in key order; the daemon only carries
+        them in its KV events, for routers that match prompts by token (docs/events.md)."""
+        ids = self._token_ids(keys, token_ids)
+        result = self._for_lease(lease, lambda s: s.path.commit(lease.lease_id, keys, parent, ids))
         lease.ended = True
         return result
 
     def commit_and_borrow(self, lease: WriteLease, keys: Sequence[BlockKey], count: int, *,
-                          parent: BlockKey | None = None) -> tuple[CommitResult, WriteLease]:
+                          parent: BlockKey | None = None,
+                          token_ids: Sequence[int] | np.ndarray | None = None) -> tuple[CommitResult, WriteLease]:
         """Commit `lease` and borrow `count` pages for the next block in one round trip (the
         fast lane sends both frames at once; over gRPC it is two calls). If the commit is
         refused, nothing is borrowed; if only the borrow is, BorrowAfterCommitError carries
-        the commit's result."""
+        the commit's result. `token_ids` as for `commit`."""
+        ids = self._token_ids(keys, token_ids)
         try:
-            result, grant = self._for_lease(lease, lambda s: s.path.commit_and_borrow(lease.lease_id, keys, parent, count))
+            result, grant = self._for_lease(
+                lease, lambda s: s.path.commit_and_borrow(lease.lease_id, keys, parent, count, ids))
         except BorrowAfterCommitError:
             lease.ended = True
             raise
         lease.ended = True
         return result, self._write_lease(lease.session, grant)
+
+    def _token_ids(self, keys: Sequence[BlockKey], token_ids: Sequence[int] | np.ndarray | None) -> array | None:
+        """A commit's token ids as u32s, checked before anything is sent."""
+        if token_ids is None:
+            return None
+        per_block = self.layout.block_tokens
+        if len(token_ids) != len(keys) * per_block:
+            raise ValueError(f"token_ids has {len(token_ids)} ids for {len(keys)} keys; pass {per_block} per key "
+                             "(each block's tokens, in key order)")
+        try:
+            return array("I", token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids are integers from 0 to 2**32 - 1") from None
 
     def acquire(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
                 tier: Tier = Tier.HOST) -> ReadLease:
@@ -537,6 +559,16 @@ class KVTierClient:
         self._check_open()
         self._sync()
         return Stats.from_proto(self._conn.unary("Stats", pb.StatsRequest()))
+
+    def watch_events(self, namespaces: Sequence[str] | None = None) -> EventStream:
+        """Watch the daemon's KV events: blocks arriving in and leaving each tier, of
+        `namespaces` (None: every namespace this client's token grants). Returns once the
+        watch is in place; iterate the stream, `close()` it when done. Needs no session;
+        the daemon must run with events on (--events), else FailedPrecondition."""
+        self._check_open()
+        self._sync()  # what this thread sent on the lane is applied before the watch starts
+        request = pb.WatchEventsRequest(namespaces=list(namespaces or ()))
+        return EventStream(self._conn.stub.WatchEvents(request, metadata=self._conn.metadata))
 
     # -- shutdown --------------------------------------------------------------
     def close(self) -> None:

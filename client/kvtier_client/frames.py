@@ -27,6 +27,8 @@ VERSION = 1
 HEADER = struct.Struct("<BBHI")
 #: Request flag: do not answer (Release only); the daemon still applies it in order.
 NO_REPLY = 0x1
+#: Request flag: the blocks' token ids follow the key block (Commit only).
+TOKENS = 0x2
 #: The largest frame either side sends or accepts. A request that would be larger goes over
 #: gRPC instead (the client decides, before sending).
 MAX_FRAME = 192 << 10
@@ -174,22 +176,41 @@ def borrow(seq: int, count: int) -> bytes:
     return header(Op.BORROW, seq) + _U32.pack(count)
 
 
-def commit(seq: int, lease_id: int, keys: Sequence[bytes], parent: bytes | None) -> bytes:
+def commit(seq: int, lease_id: int, keys: Sequence[bytes], parent: bytes | None,
+           token_ids: Sequence[int] | None = None) -> bytes:
+    """`token_ids`: the blocks' token ids, flat (u32 each), sent after the keys with the
+    TOKENS flag; None sends the frame as it was before token ids existed."""
     parent = parent or b""
     if len(parent) > 255:
         raise FrameError("a parent key on the lane is at most 255 bytes")
-    return header(Op.COMMIT, seq) + _COMMIT.pack(lease_id, len(parent)) + parent + pack_keys(keys)
+    frame = header(Op.COMMIT, seq, 0 if token_ids is None else TOKENS) + _COMMIT.pack(lease_id, len(parent)) + parent
+    frame += pack_keys(keys)
+    if token_ids is not None:
+        frame += _U32.pack(len(token_ids)) + array("I", token_ids).tobytes()
+    return frame
 
 
-def read_commit(body: memoryview) -> tuple[int, bytes | None, list[bytes]]:
+def read_commit(flags: int, body: memoryview) -> tuple[int, bytes | None, list[bytes], array | None]:
+    """(lease id, parent, keys, token ids or None)"""
     if len(body) < _COMMIT.size:
         raise FrameError("a commit starts with the lease id and the parent's length")
     lease_id, parent_len = _COMMIT.unpack_from(body)
     at = _COMMIT.size + parent_len
     parent = bytes(body[_COMMIT.size : at]) if parent_len else None
     keys, at = unpack_keys(body, at)
+    token_ids = None
+    if flags & TOKENS:
+        if len(body) < at + 4:
+            raise FrameError("a commit with the TOKENS flag needs the token id count after its keys")
+        (count,) = _U32.unpack_from(body, at)
+        at, end = at + 4, at + 4 + 4 * count
+        if len(body) < end:
+            raise FrameError(f"a commit's {count} token ids are cut short")
+        token_ids = array("I")
+        token_ids.frombytes(body[at:end])
+        at = end
     done(body, at)
-    return lease_id, parent, keys
+    return lease_id, parent, keys, token_ids
 
 
 def acquire(seq: int, keys: Sequence[bytes], tier: int, wait: int, deadline_ms: int, *, prefix: bool = False) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,9 +46,10 @@ class HotPath(Protocol):
     def heartbeat(self, timeout: float) -> int: ...
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult: ...
     def borrow(self, count: int) -> Granted: ...
-    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult: ...
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+               token_ids: array | None = None) -> CommitResult: ...
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int) -> tuple[CommitResult, Granted]: ...
+                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]: ...
     def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted: ...
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]: ...
@@ -85,16 +87,18 @@ class GrpcPath:
         reply = self._call("Borrow", pb.BorrowRequest(session_id=self._session_id, count=count))
         return Granted(LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
 
-    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult:
-        request = pb.CommitRequest(session_id=self._session_id, lease_id=lease_id, keys=list(keys))
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+               token_ids: array | None = None) -> CommitResult:
+        request = pb.CommitRequest(session_id=self._session_id, lease_id=lease_id, keys=list(keys),
+                                   token_ids=token_ids or ())
         if parent is not None:
             request.parent = parent
         reply = self._call("Commit", request)
         return CommitResult(reply.committed, tuple(reply.duplicates))
 
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int) -> tuple[CommitResult, Granted]:
-        result = self.commit(lease_id, keys, parent)
+                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]:
+        result = self.commit(lease_id, keys, parent, token_ids)
         try:
             return result, self.borrow(count)
         except KVTierError as exc:
@@ -185,23 +189,26 @@ class LanePath:
         body = self._call(lambda: frames.borrow(0, count))
         return self._grpc.borrow(count) if body is None else _granted(frames.unpack_borrow(body))
 
-    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None) -> CommitResult:
-        body = self._call(lambda: frames.commit(0, lease_id, keys, parent))
-        return self._grpc.commit(lease_id, keys, parent) if body is None else CommitResult(*frames.unpack_commit(body))
+    def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
+               token_ids: array | None = None) -> CommitResult:
+        body = self._call(lambda: frames.commit(0, lease_id, keys, parent, token_ids))
+        if body is None:
+            return self._grpc.commit(lease_id, keys, parent, token_ids)
+        return CommitResult(*frames.unpack_commit(body))
 
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int) -> tuple[CommitResult, Granted]:
+                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]:
         """Both frames sent back to back: one round trip. A Commit refused raises its error
         (the Borrow granted with it is released); a Borrow refused after a Commit that
         happened raises BorrowAfterCommitError, which carries the commit's result."""
-        commit = self._encode(lambda: frames.commit(0, lease_id, keys, parent))
+        commit = self._encode(lambda: frames.commit(0, lease_id, keys, parent, token_ids))
         if commit is None:
-            return self._grpc.commit_and_borrow(lease_id, keys, parent, count)
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids)
         try:
             committed, granted = self._lane.pipeline([commit, frames.borrow(0, count)])
         except LaneBroken as exc:
             log.info("kvtier: a call went over gRPC: %s", exc)
-            return self._grpc.commit_and_borrow(lease_id, keys, parent, count)
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids)
         if isinstance(committed, KVTierError):
             if not isinstance(granted, KVTierError):
                 self.release(frames.unpack_borrow(granted).lease_id)

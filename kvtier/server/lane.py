@@ -65,7 +65,7 @@ class Lane:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._timers: dict = {}
-        self._handlers: dict[Op, Callable[[Resolve, int, memoryview], bytes | None]] = {
+        self._handlers: dict[Op, Callable[[Resolve, int, int, memoryview], bytes | None]] = {
             Op.HEARTBEAT: self._heartbeat, Op.LOOKUP: self._lookup, Op.BORROW: self._borrow, Op.COMMIT: self._commit,
             Op.ACQUIRE: self._acquire, Op.ACQUIRE_PREFIX: self._acquire_prefix, Op.RELEASE: self._release,
             Op.PREFETCH: self._prefetch,
@@ -189,7 +189,7 @@ class Lane:
             handler = self._handlers.get(op)
             if handler is None:
                 raise InvalidArgument(f"{op.name} is not a call on an open lane connection")
-            answer = handler(lambda: self._sessions.still(session), seq, body)
+            answer = handler(lambda: self._sessions.still(session), seq, flags, body)
             return op, seq, None if no_reply else answer
         except FrameError as exc:
             code = "INVALID_ARGUMENT"
@@ -209,41 +209,41 @@ class Lane:
         return op, seq, frames.error(op or Op.MALFORMED, seq, _STATUS.get(code, _STATUS["UNKNOWN"]), message)
 
     # -- the calls ----------------------------------------------------------------------
-    def _heartbeat(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _heartbeat(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         frames.done(body, 0)
         return frames.reply(Op.HEARTBEAT, seq, frames.pack_slots([self._ops.heartbeat(s)]))
 
-    def _lookup(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _lookup(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         keys, at = frames.unpack_keys(body)
         frames.done(body, at)
         match = self._ops.lookup(s, keys)
         return frames.reply(Op.LOOKUP, seq, frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers)))
 
-    def _borrow(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _borrow(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         grant = self._ops.borrow(s, frames.read_u32(body))
         return frames.reply(Op.BORROW, seq, frames.pack_borrow(grant.lease_id, tier_to_proto(grant.tier), grant.slots))
 
-    def _commit(self, s: Resolve, seq: int, body: memoryview) -> bytes:
-        lease_id, parent, keys = frames.read_commit(body)
-        outcome = self._ops.commit(s, lease_id, keys, parent)
+    def _commit(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
+        lease_id, parent, keys, token_ids = frames.read_commit(flags, body)
+        outcome = self._ops.commit(s, lease_id, keys, parent, token_ids or ())
         return frames.reply(Op.COMMIT, seq, frames.pack_commit(outcome.committed, outcome.duplicates))
 
-    def _acquire(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _acquire(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         tier, wait, deadline_ms, keys = frames.read_acquire(body)
         return frames.reply(Op.ACQUIRE, seq, frames.pack_acquire(_grant(self._ops.acquire(s, keys, tier, wait, deadline_ms))))
 
-    def _acquire_prefix(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _acquire_prefix(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         tier, wait, deadline_ms, keys = frames.read_acquire(body)
         match, grant = self._ops.acquire_prefix(s, keys, tier, wait, deadline_ms)
         lookup = frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers))
         lease = frames.pack_acquire(_grant(grant) if grant is not None else frames.Grant(0, 0, ()))
         return frames.reply(Op.ACQUIRE_PREFIX, seq, lookup + lease)
 
-    def _release(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _release(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         self._ops.release(s, frames.read_u64(body))
         return frames.reply(Op.RELEASE, seq)
 
-    def _prefetch(self, s: Resolve, seq: int, body: memoryview) -> bytes:
+    def _prefetch(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         tier, priority, keys = frames.read_prefetch(body)
         return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority)]))
 

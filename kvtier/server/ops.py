@@ -10,7 +10,7 @@ core's typed result; errors are KVTierErrors, which each transport maps to its s
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier_client.errors import InvalidArgument
@@ -48,6 +48,14 @@ def wait_timeout(wait: int, deadline_ms: int) -> float | None:
     raise InvalidArgument(f"unknown wait policy {wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
 
 
+def split_tokens(token_ids: Sequence[int], keys: int, block_tokens: int) -> list[tuple[int, ...]]:
+    """A commit's flat token ids as one tuple per key (what the store keeps on each block)."""
+    if len(token_ids) != keys * block_tokens:
+        raise InvalidArgument(f"commit got {len(token_ids)} token ids for {keys} keys; pass {block_tokens} per key "
+                              "(each block's tokens, in key order), or none")
+    return [tuple(token_ids[i : i + block_tokens]) for i in range(0, len(token_ids), block_tokens)]
+
+
 Resolve = Callable[[], Session]
 
 
@@ -71,9 +79,12 @@ class HotOps:
         self.sessions.check_still_open(s, grant.lease_id)
         return grant
 
-    def commit(self, session: Resolve, lease_id: int, keys: list[bytes], parent: bytes | None) -> CommitOutcome:
+    def commit(self, session: Resolve, lease_id: int, keys: list[bytes], parent: bytes | None,
+               token_ids: Sequence[int] = ()) -> CommitOutcome:
+        """`token_ids`: the blocks' token ids, flat (block_tokens per key), or none."""
         s = session()
-        outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None)
+        tokens = split_tokens(token_ids, len(keys), s.pool.layout.block_tokens) if len(token_ids) else None
+        outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None, tokens)
         self.drain.lease_ended()
         return outcome
 

@@ -20,6 +20,7 @@ from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
 
 from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
+from kvtier.events import Event, EventKind, EventPublisher, Watcher
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
@@ -147,6 +148,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     explainer: Explainer  # Explain, and the key hashings each namespace registered with
     ops: HotOps  # the hot calls, shared with the fast lane
     lane_socket: str  # where same-host clients run the hot calls ("" when the lane is off)
+    events: EventPublisher | None = None  # KV events, for WatchEvents (None: the daemon publishes none)
 
     def _session(self, session_id: str, context) -> Session:
         """The session a call names, if the caller holds its credentials."""
@@ -206,7 +208,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
-        result = self.ops.commit(self._resolver(request.session_id, context), request.lease_id, list(request.keys), request.parent or None)
+        result = self.ops.commit(self._resolver(request.session_id, context), request.lease_id, list(request.keys),
+                                 request.parent or None, request.token_ids)
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
 
     @_rpc
@@ -291,3 +294,49 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             written += 1
             message = next(request_iterator, None)
         return pb.WritePagesResponse(pages=written)
+
+    # -- KV events ---------------------------------------------------------------------
+    def WatchEvents(self, request, context) -> Iterator[pb.WatchEventsResponse]:
+        """The first response (no events) says the watch is in place; then one response per
+        batch the publisher hands over, until the caller cancels or the daemon stops."""
+        watcher = self._watch(request, context)
+        if not context.add_callback(watcher.close):  # a cancelled call wakes the wait below
+            watcher.close()  # it ended already
+        try:
+            yield pb.WatchEventsResponse(ts=time.time())
+            while (batch := watcher.next()) is not None:
+                events, missed = batch
+                yield pb.WatchEventsResponse(ts=time.time(), events=[_event_pb(e) for e in events], missed=missed)
+        finally:
+            self.events.unwatch(watcher)
+
+    @_rpc(name="WatchEvents")
+    def _watch(self, request, context) -> Watcher:
+        """A watcher of the namespaces asked for (every one the caller's token grants when
+        none is named), re-checked against the token for every batch: a token a reload
+        revokes stops its events at once."""
+        if self.events is None:
+            raise FailedPrecondition("this daemon publishes no KV events; start it with --events ENDPOINT "
+                                     "(docs/events.md)")
+        metadata = context.invocation_metadata()
+        wanted = frozenset(request.namespaces)
+        if wanted:
+            for namespace in sorted(wanted):
+                check_namespace(namespace)
+                self.auth.authorize(namespace, metadata)
+        else:
+            self.auth.authenticate_any(metadata)
+        token, grants = self.auth.token_of(metadata), self.auth.grants
+        return self.events.watch(lambda ns: (not wanted or ns in wanted) and grants(token, ns))
+
+
+def _event_pb(event: Event) -> pb.KVEvent:
+    return pb.KVEvent(
+        kind=_EVENT_KINDS[event.kind], namespace=event.namespace,
+        tier=tier_to_proto(event.tier) if event.tier is not None else pb.TIER_UNSPECIFIED,
+        keys=event.keys, parent=event.parent or b"", token_ids=event.token_ids or (), block_size=event.block_size,
+    )
+
+
+_EVENT_KINDS = {EventKind.STORED: pb.KV_EVENT_STORED, EventKind.REMOVED: pb.KV_EVENT_REMOVED,
+                EventKind.CLEARED: pb.KV_EVENT_CLEARED}

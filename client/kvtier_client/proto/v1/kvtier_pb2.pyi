@@ -32,6 +32,13 @@ class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_CORRUPT: _ClassVar[BlockState]
     BLOCK_OTHER_LAYOUT: _ClassVar[BlockState]
     BLOCK_BEYOND_PREFIX: _ClassVar[BlockState]
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
+    KV_EVENT_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_REMOVED: _ClassVar[KVEventKind]
+    KV_EVENT_CLEARED: _ClassVar[KVEventKind]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -48,6 +55,10 @@ BLOCK_EVICTED: BlockState
 BLOCK_CORRUPT: BlockState
 BLOCK_OTHER_LAYOUT: BlockState
 BLOCK_BEYOND_PREFIX: BlockState
+KV_EVENT_KIND_UNSPECIFIED: KVEventKind
+KV_EVENT_STORED: KVEventKind
+KV_EVENT_REMOVED: KVEventKind
+KV_EVENT_CLEARED: KVEventKind
 
 class PageLayout(_message.Message):
     __slots__ = ("layers", "kv_heads", "head_dim", "block_tokens", "dtype", "order")
@@ -178,16 +189,18 @@ class BorrowResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "lease_id", "keys", "parent")
+    __slots__ = ("session_id", "lease_id", "keys", "parent", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "duplicates")
@@ -431,3 +444,37 @@ class WritePagesResponse(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "namespace", "tier", "keys", "parent", "token_ids", "block_size")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEventKind
+    namespace: str
+    tier: Tier
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., namespace: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("ts", "events", "missed")
+    TS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_FIELD_NUMBER: _ClassVar[int]
+    ts: float
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    missed: int
+    def __init__(self, ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., missed: _Optional[int] = ...) -> None: ...

@@ -100,6 +100,11 @@ class KVTierStub:
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PageData.SerializeToString,
                 response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WritePagesResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvtier.v1.KVTier/WatchEvents',
+                request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -183,6 +188,12 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +261,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.WritePages,
                     request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PageData.FromString,
                     response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WritePagesResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +619,33 @@ class KVTier:
             '/kvtier.v1.KVTier/WritePages',
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PageData.SerializeToString,
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WritePagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/WatchEvents',
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
