@@ -2,9 +2,12 @@
 # Create .venv and install kvtier, its client, its benchmarks (kvtier-bench, benchmarks/) and
 # the test tools from this checkout.
 # Torch is the pinned CPU build (torch==2.13.0). A second run installs nothing unless a
-# pyproject.toml changed (the stamp in .venv records what was installed).
+# pyproject.toml changed (the stamp in .venv records what was installed). Debian's
+# redis-server, for the cluster tier's tests, comes from scripts/setup_redis.sh (as root with
+# apt-get; a no-op when it is there), checked on every run since the stamp does not cover it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/setup_redis.sh
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.kvtier-setup

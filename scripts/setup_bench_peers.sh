@@ -24,9 +24,9 @@ PY=.venv/bin/python
 start=$(date +%s)
 say() { echo "setup_bench_peers: $*" >&2; }
 
-# -- Debian packages: redis-server, the RDMA/fabric libraries Mooncake's binaries link to --
+# -- Debian packages: the RDMA/fabric libraries Mooncake's binaries link to (redis-server
+# came with scripts/setup.sh, through scripts/setup_redis.sh) --
 need_apt=()
-command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 ldconfig -p | grep -q 'libibverbs\.so\.1' || need_apt+=(libibverbs1)
 ldconfig -p | grep -q 'libfabric\.so\.1' || need_apt+=(libfabric1)
 if [ ${#need_apt[@]} -gt 0 ]; then

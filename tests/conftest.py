@@ -14,6 +14,8 @@ from kvtier_client.layout import PageLayout
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.server.pools import Pool, PoolConfig
 
+pytest_plugins = ["redis_cluster_plugin"]  # redis_cluster, redis_cluster_replicas: a real Redis Cluster on loopback
+
 #: A small layout whose page (3072 bytes) is not a whole slot (4096), so padding is exercised.
 SMALL_LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")
 SHM_DIR = "/dev/shm"
