@@ -11,9 +11,10 @@ from kvtier.core.results import (
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.store import BlockStore
-from kvtier.core.writes import clean_reserve
+from kvtier.core.writes import ClusterWrite, clean_reserve
 
 __all__ = [
+    "ClusterWrite",
     "DEFAULT_HISTORY_SIZE",
     "BlockState",
     "BlockStatus",

@@ -51,7 +51,7 @@ class BookkeepingMover:
         return 0
 
     def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
-                     on_done: Callable[[list[bool]], None]) -> bool:
+                     on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
         return False
 
     def boost(self, job: LoadJob) -> None:

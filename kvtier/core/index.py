@@ -71,6 +71,7 @@ class Block:
     parent: Ref | None
     copies: dict[Tier, Copy] = field(default_factory=dict)
     tokens: tuple[int, ...] | None = None  # its token ids, when the client passed them (KV events)
+    in_cluster: bool = False  # known to be in the cluster tier: written there, or loaded from there
 
     @property
     def best_tier(self) -> Tier:
@@ -201,6 +202,10 @@ class BlockIndex:
             state.loading.add(block.ref)
         elif self.events is not None:
             self._stored(block, tier)
+
+    def announce(self, block: Block, tier: Tier) -> None:
+        """Tell the event sink of a copy already in place."""
+        self._stored(block, tier)
 
     def _stored(self, block: Block, tier: Tier) -> None:
         namespace, key = block.ref

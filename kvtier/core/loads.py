@@ -132,6 +132,7 @@ class Loads:
             index.requests.loads_in_flight -= 1
             state = index.tiers[Tier.HOST]
             if ok:
+                block.in_cluster = not from_disk
                 index.hold(block, Tier.HOST, time.monotonic() + self.prefetch_hold)
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes

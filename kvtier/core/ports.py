@@ -112,10 +112,11 @@ class PageMover(Protocol):
         """How many leading `keys` the cluster tier holds (0 without one, or when it fails)."""
 
     def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
-                     on_done: Callable[[list[bool]], None]) -> bool:
+                     on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
         """Queue host pages (key, slot) for the cluster tier; `on_done` hears each page's
-        result later, on another thread. False when refused (no cluster, queue full, cluster
-        failing): nothing was queued and `on_done` is never called."""
+        result later, on another thread. The slots must stay put until then, unless `copy`:
+        their bytes are copied before this returns. False when refused (no cluster, queue
+        full, cluster failing): nothing was queued and `on_done` is never called."""
 
     def boost(self, job: LoadJob) -> None:
         """Run a queued prefetch load with Acquire priority."""

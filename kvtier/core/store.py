@@ -78,7 +78,7 @@ from kvtier.core.results import (
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
-from kvtier.core.writes import WRITE_BACK_BATCH, WriteBack, WriteBatch, WriteOut
+from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, WriteBack, WriteBatch, WriteOut
 from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
 
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class BlockStore:
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
     the index remembered per namespace, to explain misses. `cluster`: the mover has a
-    cluster tier (`cluster_write`: copy every committed page to it).
+    cluster tier (`cluster_write`: when pages are copied to it).
     """
 
     def __init__(
@@ -129,16 +129,18 @@ class BlockStore:
         host_reused: bool = False,
         history_size: int = DEFAULT_HISTORY_SIZE,
         cluster: bool = False,
-        cluster_write: bool = False,
+        cluster_write: ClusterWrite = ClusterWrite.OFF,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
         self.layout = layout
         self.write_through = write_through
         #: A cluster tier below the others: lookups, acquires and prefetches go on to it
-        #: for keys this node does not hold, and (`cluster_write`) commits are copied to it.
+        #: for keys this node does not hold, and pages are copied to it per `cluster_write`.
         self.cluster = cluster
-        self.cluster_write = cluster and cluster_write
+        self.cluster_write = cluster_write if cluster else ClusterWrite.OFF
+        if self.cluster_write is ClusterWrite.DEMOTE and disk_pages <= 0:
+            raise ValueError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier")
         adopted = list(recovered_host)
         tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy())]
         if device_pages > 0:
@@ -199,10 +201,13 @@ class BlockStore:
 
     def _write(self, batch: WriteBatch) -> bool:
         """Store a prepared batch outside the lock, then file it under the lock. False if
-        the store failed (OSError)."""
+        the store failed (OSError). With `cluster_write = demote` the pages not yet in the
+        cluster are copied for it too, while the batch still protects them."""
         stored = None
         try:
             stored = self._mover.store(batch.moves)
+            if self.cluster_write is ClusterWrite.DEMOTE:
+                self._demote_to_cluster(batch)
         except OSError:
             pass  # `file` counts it; the mechanism logs the fault
         finally:
@@ -240,8 +245,15 @@ class BlockStore:
 
     @events.setter
     def events(self, sink: BlockEvents | None) -> None:
+        """Set the sink and tell it of every copy already in place (pages recovered from
+        disk or adopted from a crashed daemon), so a listener starts from the whole state."""
         with self._lock:
             self._index.events = sink
+            if sink is not None:
+                for block in self._index.blocks.values():
+                    for tier, copy in block.copies.items():
+                        if not copy.loading:
+                            self._index.announce(block, tier)
 
     @property
     def saving(self) -> dict[Ref, PageRecord]:
@@ -397,11 +409,12 @@ class BlockStore:
             outcome, fresh = self._commit(session, lease_id, keys, parent, tokens)
             batch = self._capacity.prepare(fresh) if fresh and self.write_through and Tier.DISK in self._index.tiers else None
             forgets = self._capacity.take_forgets()
-            if fresh and self.cluster_write:
+            to_cluster = fresh and self.cluster_write is ClusterWrite.COMMIT
+            if to_cluster:
                 for b in fresh:  # the host slots stay put until the cluster write is done
                     b.copies[Tier.HOST].readers += 1
         self._forget(forgets)
-        if fresh and self.cluster_write:
+        if to_cluster:
             self._write_cluster(fresh)
         if batch:
             self._write(batch)
@@ -415,11 +428,26 @@ class BlockStore:
         if not self._mover.remote_write(namespace, pages, lambda results: self._cluster_written(blocks, results)):
             self._cluster_written(blocks, [False] * len(blocks))
 
-    def _cluster_written(self, blocks: list[Block], results: list[bool]) -> None:
+    def _demote_to_cluster(self, batch: WriteBatch) -> None:
+        """Offer a disk batch's pages that the cluster lacks to its writer, as copies (the
+        batch protects the host slots only until it is filed)."""
+        by_namespace: dict[str, list[Block]] = {}
+        with self._lock:
+            for block, _ in batch.entries:
+                if not block.in_cluster:
+                    by_namespace.setdefault(block.ref[0], []).append(block)
+            pages = {ns: [(b.ref[1], b.copies[Tier.HOST].slot) for b in blocks] for ns, blocks in by_namespace.items()}
+        for namespace, blocks in by_namespace.items():
+            self._mover.remote_write(namespace, pages[namespace], lambda results, blocks=blocks:
+                                     self._cluster_written(blocks, results, held=False), copy=True)
+
+    def _cluster_written(self, blocks: list[Block], results: list[bool], held: bool = True) -> None:
         with self._lock:
             events = self._index.events
             for b, ok in zip(blocks, results):
-                b.copies[Tier.HOST].readers -= 1
+                if held:  # a commit's pages: their host copies were kept for the writer
+                    b.copies[Tier.HOST].readers -= 1
+                b.in_cluster = b.in_cluster or ok
                 if ok and events is not None:
                     namespace, key = b.ref
                     events.stored(Tier.CLUSTER, namespace, key, b.parent[1] if b.parent else None, b.tokens)

@@ -19,6 +19,7 @@ Who writes:
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,20 @@ from kvtier.core.ports import PageRecord
 
 if TYPE_CHECKING:
     from kvtier.core.capacity import Capacity
+
+class ClusterWrite(str, enum.Enum):
+    """When pages are copied to the cluster tier: each page at its commit (every page, as
+    soon as another node could want it), when it is demoted from host to disk (only pages
+    that lived long enough to leave host, so what the node is about to forget), or never
+    (the node only reads the cluster)."""
+
+    COMMIT = "commit"
+    DEMOTE = "demote"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: Pages per write batch of the write-back thread.
 WRITE_BACK_BATCH = 64

@@ -88,9 +88,13 @@ class ArenaMover:
         return self.cluster.tier.present(namespace, keys) if self.cluster is not None else 0
 
     def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
-                     on_done: Callable[[list[bool]], None]) -> bool:
+                     on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
         writer = self.cluster.writer if self.cluster is not None else None
-        return writer is not None and writer.offer(namespace, pages, on_done)
+        if writer is None:
+            return False
+        if copy:
+            pages = [(key, bytes(self.host.view(slot))) for key, slot in pages]
+        return writer.offer(namespace, pages, on_done)
 
     def forget(self, records: Iterable[PageRecord]) -> None:
         self._disk().forget(records)

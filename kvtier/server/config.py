@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvtier.core.writes import ClusterWrite
+from kvtier.events import DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.redis import ClusterAddress
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.policy import PolicyName
@@ -101,9 +103,18 @@ class ClusterConfig:
     tls_ca: str  # PEM CA that signed the cluster's certificates (rediss://)
     acl_file: str  # TOML: [namespaces."<namespace>"] username = "...", password = "..." (an ACL user per tenant)
     prefix: str  # first part of every key: `<prefix>:<layout>:<namespace>:<key hex>`
-    write: bool  # copy committed pages to the cluster (False: this node only reads it)
+    write: ClusterWrite  # when pages are copied to the cluster: at commit, at demotion to disk, or never
     timeout: float  # seconds: every socket operation
     queue: int  # bytes of committed pages waiting for the cluster writer per pool; 0 = a quarter of host_size
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """KV events (kvtier.events, docs/events.md); `endpoint` "" = none."""
+
+    endpoint: str  # ZMQ PUB: tcp://*:5557 binds, tcp://host:5557 connects (as vLLM)
+    topic: str  # per namespace: {host}, {namespace}
+    format: EventFormat  # map (vLLM >= 0.28) or array (the older layout llm-d parses)
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,7 @@ class DaemonConfig:
     auth: AuthConfig
     tiers: TiersConfig
     cluster: ClusterConfig
+    events: EventsConfig
     sessions: SessionsConfig
     metrics: MetricsConfig
     log: LogConfig
@@ -137,7 +149,7 @@ class DaemonConfig:
 
 _SECTIONS: dict[str, type] = {
     "listen": ListenConfig, "auth": AuthConfig, "tiers": TiersConfig, "cluster": ClusterConfig,
-    "sessions": SessionsConfig,
+    "events": EventsConfig, "sessions": SessionsConfig,
     "metrics": MetricsConfig, "log": LogConfig,
 }
 
@@ -309,11 +321,17 @@ OPTIONS: tuple[Option, ...] = (
            "namespace.", shown="none", field="acl_file"),
     Option("cluster_prefix", "cluster", TEXT, "kvtier", "First part of every cluster key (<prefix>:<layout>:<namespace>:<key>).",
            field="prefix"),
-    Option("cluster_write", "cluster", BOOL, True, "Copy committed pages to the cluster (--no-cluster-write: only read it).",
-           field="write", off_flag="no-cluster-write"),
+    Option("cluster_write", "cluster", Kind.of(ClusterWrite), "commit", "When pages are copied to the cluster: at commit, "
+           "when demoted from host to disk, or off (this node only reads it).", field="write"),
     Option("cluster_timeout", "cluster", DURATION, "500ms", "Timeout of every cluster socket operation.", field="timeout"),
     Option("cluster_queue", "cluster", SIZE, "0", "Committed pages waiting for the cluster writer, per layout; more are "
            "not written.", shown="host_size / 4", field="queue"),
+    Option("events", "events", TEXT, "", "Publish KV events (vLLM's format) on this ZMQ endpoint: tcp://*:5557 binds, "
+           "tcp://HOST:PORT connects.", shown="off", field="endpoint", metavar="ENDPOINT"),
+    Option("events_topic", "events", TEXT, DEFAULT_TOPIC, "ZMQ topic of each namespace's events ({host}, {namespace}).",
+           field="topic"),
+    Option("events_format", "events", Kind.of(EventFormat), "map", "Event layout: map (vLLM >= 0.28) or array (llm-d).",
+           field="format"),
     Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
     Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
     Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
@@ -431,6 +449,9 @@ def _validate(cfg: DaemonConfig) -> None:
                 if not isinstance(user, dict) or not isinstance(user.get("username"), str):
                     raise ConfigError(f'cluster_acl_file {cfg.cluster.acl_file}: [namespaces."{namespace}"] needs '
                                       'username = "..." (and password = "...")')
+        if cfg.cluster.write is ClusterWrite.DEMOTE and tiers.disk_size == 0:
+            raise ConfigError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier "
+                              "(disk_size > 0); use commit")
         if cfg.cluster.timeout <= 0:
             raise ConfigError("cluster_timeout must be positive")
     if cfg.metrics.port < 0 or cfg.metrics.port > 65535:

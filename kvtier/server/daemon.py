@@ -16,6 +16,7 @@ from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 import kvtier
+from kvtier.events import EventPublisher
 from kvtier.server.auth import Authorizer
 from kvtier.server.config import AuthMode, ConfigError, DaemonConfig
 from kvtier.mechanism.keeper import KeeperClient, keeper_path
@@ -83,11 +84,19 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        ev = config.events
+        try:
+            self.events = EventPublisher(ev.endpoint, topic=ev.topic, layout=ev.format) if ev.endpoint else None
+        except ValueError as exc:
+            raise ConfigError(f"events: {exc}") from None
+        if self.events is not None:
+            self.metrics.watch_events(self.events.stats)
         window = config.tiers.warm_restart_window
         keeper = (KeeperClient.connect_or_start(keeper_path(config.tiers.cache_dir, config.listen.socket), window)
                   if window > 0 else None)
         self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load, keeper=keeper,
-                                  cluster=config.cluster, cluster_observer=self.metrics.observe_cluster)
+                                  cluster=config.cluster, cluster_observer=self.metrics.observe_cluster,
+                                  events=self.events)
         self.drain = DrainGate(self.pools.open_leases)
         auth = Authorizer.from_config(config.auth)
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
@@ -101,6 +110,7 @@ class Daemon:
             sessions=self.sessions, pools=self.pools, auth=auth, drain=self.drain,
             metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(), handoff_socket=self.handoff.path,
             explainer=Explainer(self.pools), ops=ops, lane_socket=self.lane.path if self.lane is not None else "",
+            events=self.events,
         )
         self.health = HealthService(("", SERVICE_NAME))
         for name in self.health.services:  # HealthServicer starts as SERVING; we are not, until start() ends
@@ -188,6 +198,8 @@ class Daemon:
         if not self.drain.wait_idle(timeout):
             log.warning("drain timed out; releasing the remaining leases", extra={"leases": self.pools.open_leases()})
         self.sessions.close_all("daemon shutdown")
+        if self.events is not None:
+            self.events.end_watches()  # WatchEvents streams end now: the server need not wait for them
         if self._server is not None:
             # Bounded: a call gRPC never finishes must not keep the host pages from being saved.
             if not self._server.stop(grace=SERVER_STOP_GRACE_S).wait(SERVER_STOP_WAIT_S):
@@ -199,6 +211,8 @@ class Daemon:
         # The copy of host-only pages to disk gets drain_timeout too; what it has not copied
         # by then stays in the host arena, which is then kept for the next daemon to adopt.
         self.pools.close_all(deadline=time.monotonic() + timeout)
+        if self.events is not None:
+            self.events.close()  # after the pools: their last disk writes are told
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         try:

@@ -19,7 +19,8 @@ from kvtier_client.ids import LeaseId, SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.core import BlockStore, LeaseKind, Quota, StoreUsage, clean_reserve
+from kvtier.events import EventPublisher
+from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.core.index import TierCounters
 from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
@@ -92,7 +93,7 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
                        prefix=config.prefix, namespace_stores=per_namespace, observer=observer)
     reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch)
     writer = None
-    if config.write:
+    if config.write is not ClusterWrite.OFF:
         writer = ClusterWriter(tier, host.view, max_bytes=max(config.queue or host_bytes // 4, layout.page_bytes))
     return ClusterParts(tier, reader, writer)
 
@@ -152,7 +153,7 @@ class Pool:
                 device_pages=device_pages,
                 mover=ArenaMover(self.host, self.disk, self.reader, self.copies, self.cluster),
                 cluster=self.cluster is not None,
-                cluster_write=self.cluster is not None and self.cluster.writer is not None,
+                cluster_write=cluster.write if self.cluster is not None else ClusterWrite.OFF,
                 policy=POLICIES[PolicyName(config.policy)],
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
@@ -272,13 +273,16 @@ class PoolRegistry:
     reading its counts, never the registry's lock."""
 
     def __init__(self, tiers: TiersConfig, observer: Observer | None = None, keeper: KeeperClient | None = None,
-                 cluster: ClusterConfig | None = None, cluster_observer: LatencyObserver | None = None) -> None:
+                 cluster: ClusterConfig | None = None, cluster_observer: LatencyObserver | None = None,
+                 events: EventPublisher | None = None) -> None:
         """`observer` hears of every pool's finished disk loads (metrics); `keeper` holds the
         pools' host memory across a crash (None: a crash loses the host tier); `cluster`
-        gives every pool a cluster tier (`cluster_observer` hears its batches' latency)."""
+        gives every pool a cluster tier (`cluster_observer` hears its batches' latency);
+        `events` is told what every pool stores and drops (KV events)."""
         self._config = PoolConfig.from_tiers(tiers)
         self._cluster = cluster
         self._cluster_observer = cluster_observer
+        self._events = events
         self._max_pools = tiers.max_pools
         self._observer = observer
         self._keeper = keeper
@@ -335,6 +339,8 @@ class PoolRegistry:
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise CapacityError(str(exc)) from None
             _apply_quotas(pool, self._quotas)
+            if self._events is not None:
+                pool.store.events = self._events.sink(layout.block_tokens)
             self._pools[layout.layout_id] = pool
             log.info("pool created", extra={"pool": layout.layout_id, "layout": repr(layout), "adopted_pages": len(pool.host.adopted)})
             return pool

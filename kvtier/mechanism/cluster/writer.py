@@ -28,7 +28,7 @@ WriteDone = Callable[[list[bool]], None]
 @dataclass
 class _Offer:
     namespace: str
-    pages: list[tuple[bytes, Slot]]
+    pages: list[tuple[bytes, Slot | bytes]]  # (key, a host slot to read, or the page's bytes)
     done: WriteDone
 
 
@@ -51,10 +51,10 @@ class ClusterWriter:
         self._thread = threading.Thread(target=self._run, name=f"kvtier-cluster-write-{tier.layout_id}", daemon=True)
         self._thread.start()
 
-    def offer(self, namespace: str, pages: Sequence[tuple[bytes, Slot]], done: WriteDone) -> bool:
-        """Queue (key, host slot) pages for writing; `done` is called on the writer's thread
-        with their results. False (nothing queued, `done` never called) when they do not
-        fit or the cluster is failing."""
+    def offer(self, namespace: str, pages: Sequence[tuple[bytes, Slot | bytes]], done: WriteDone) -> bool:
+        """Queue (key, host slot or page bytes) pages for writing; `done` is called on the
+        writer's thread with their results. False (nothing queued, `done` never called)
+        when they do not fit or the cluster is failing."""
         size = len(pages) * self.tier.page_bytes
         with self._cond:
             now = time.monotonic()
@@ -107,7 +107,9 @@ class ClusterWriter:
                     log.exception("cluster write completion failed")
 
     def _write(self, namespace: str, offers: list[_Offer], results: dict[int, list[bool]]) -> None:
-        stored = iter(self.tier.write_each(namespace, [(key, self.view(slot)) for o in offers for key, slot in o.pages]))
+        pages = [(key, memoryview(page) if isinstance(page, bytes) else self.view(page))
+                 for offer in offers for key, page in offer.pages]
+        stored = iter(self.tier.write_each(namespace, pages))
         for offer in offers:
             results[id(offer)] = [next(stored) for _ in offer.pages]
 
