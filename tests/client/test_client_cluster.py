@@ -257,3 +257,24 @@ def test_a_namespace_with_its_own_acl_user_reaches_only_its_keys(nodes, tmp_path
     finally:
         for node in cluster.masters():
             node.admin.execute_command("ACL", "DELUSER", "tenant-user", "kvtier-node")
+
+
+def test_demote_writes_pages_as_they_leave_host_and_never_back(nodes):
+    """cluster_write = demote: a page reaches the cluster when it is demoted from host to
+    disk, not at commit; a page loaded from the cluster is not written back when it leaves."""
+    small = ("--cluster-write", "demote", "--host-size", "1MiB")  # 128 pages: no clean reserve, eviction writes
+    a, b = nodes("a", *small), nodes("b", *small)
+    cluster = nodes.cluster.client()
+
+    def in_cluster(keys) -> int:
+        return sum(cluster.exists(cluster_key("kvtier", LAYOUT.layout_id, "tenant", k)) for k in keys)
+
+    first, *rest = write_prompts(a, 30, seed=900)  # 180 pages through a 128-page host
+    assert in_cluster(rest[-1][0]) == 0  # the newest pages are still only in host
+    wait_until(lambda: in_cluster(first[0]) == 6, what="the oldest pages demoted to the cluster")
+    assert read_checked(b, *first) == 6  # now in B's host, loaded from the cluster
+    cluster.delete(*[cluster_key("kvtier", LAYOUT.layout_id, "tenant", k) for k in first[0]])
+    mine = write_prompts(b, 30, seed=950)  # push B's copy of `first` out of its host, to its disk
+    wait_until(lambda: in_cluster(mine[0][0]) == 6, what="B's own pages demoted to the cluster")
+    assert in_cluster(first[0]) == 0  # B knew they came from the cluster: not written back
+    assert b.stats().pool(b.pool.pool_id).tier(Tier.DISK).cached_pages > 0
