@@ -285,6 +285,11 @@ class HostArena:
             self._table.write(published[-1])
         return published
 
+    def checksum(self, slot: Slot) -> int | None:
+        """The xxh3-64 a published page's bytes had when they were published (None: not
+        published), so whoever copies the page on need not hash it again."""
+        return self._table.checksum(slot)
+
     def unpublish(self, slots: Sequence[Slot]) -> None:
         """Take slots out of the slot table before they can be reused."""
         self._table.clear(slots)

@@ -74,6 +74,12 @@ class SlotTable:
         entry[_ENTRY_BYTES - 8 :] = np.frombuffer(struct.pack("<Q", xxhash.xxh3_64_intdigest(body)), np.uint8)
         entry[0] = _CACHED
 
+    def checksum(self, slot: int) -> int | None:
+        """The checksum a published page was entered with; None if the slot holds none."""
+        raw = self._entries[slot, : _FIELDS.size].tobytes()
+        state, *_, checksum = _FIELDS.unpack(raw)
+        return checksum if state == _CACHED else None
+
     def clear(self, slots: Sequence[int]) -> None:
         """These slots hold no published page any more (before anyone may reuse them)."""
         for slot in slots:

@@ -94,7 +94,8 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
     reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch)
     writer = None
     if config.write is not ClusterWrite.OFF:
-        writer = ClusterWriter(tier, host.view, max_bytes=max(config.queue or host_bytes // 4, layout.page_bytes))
+        writer = ClusterWriter(tier, host.view, checksum=host.checksum,
+                               max_bytes=max(config.queue or host_bytes // 4, layout.page_bytes))
     return ClusterParts(tier, reader, writer)
 
 

@@ -88,7 +88,10 @@ def test_a_corrupted_value_is_a_miss_and_a_counter(nodes):
     write_blocks(a, keys, data)
     wait_until(lambda: b.lookup(keys).hit_blocks == 4, what="the pages to reach the cluster")
     cluster = nodes.cluster.client()
-    cluster.setrange(cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[2]), 100, b"\xff" * 8)
+    key = cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[2])
+    page = bytearray(cluster.hget(key, b"p"))  # a value is a hash: h (header) and p (the page)
+    page[100:108] = bytes(255 - b for b in page[100:108])  # eight bytes flipped in the store, as SETRANGE would
+    cluster.hset(key, b"p", bytes(page))
     with pytest.raises(NotFound, match="key 2"):
         b.acquire(keys)
     with b.acquire(keys[:2]) as lease:  # the pages before it are good and now B's own

@@ -2,7 +2,8 @@
 through redis-py's RedisCluster.
 
 redis-py keeps the slot map, follows MOVED and ASK during resharding and failover, and
-sends a pipeline as one batch per node. What this adds: a connection made lazily and
+sends a pipeline as one batch per node. A value is a hash of two fields, `h` (header) and
+`p` (page): HSET writes both at once and sends the page buffer as it is; HMGET reads both. What this adds: a connection made lazily and
 again after a failure (a cluster that is down when the daemon starts is a miss now and
 a hit later, never an error), at most one attempt per `retry_interval`, and every
 redis-py exception mapped to a FaultKind.
@@ -20,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory
+from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, Value
 
 
 @dataclass(frozen=True)
@@ -154,12 +155,13 @@ class RedisClusterStore:
     def exists(self, keys: Sequence[bytes]) -> list[bool | RemoteFault]:
         return [r if isinstance(r, RemoteFault) else bool(r) for r in self._batch(lambda p, k: p.exists(k), keys)]
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None | RemoteFault]:
-        return self._batch(lambda p, k: p.get(k), keys)
+    def get(self, keys: Sequence[bytes]) -> list[Value | None | RemoteFault]:
+        replies = self._batch(lambda p, k: p.hmget(k, (b"h", b"p")), keys)
+        return [r if isinstance(r, RemoteFault) else (tuple(r) if None not in r else None) for r in replies]
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool | RemoteFault]:
-        replies = self._batch(lambda p, item: p.set(item[0], item[1]), items)
-        return [r if isinstance(r, RemoteFault) else bool(r) for r in replies]
+    def put(self, items: Sequence[tuple[bytes, Value]]) -> list[bool | RemoteFault]:
+        replies = self._batch(lambda p, item: p.hset(item[0], mapping={b"h": item[1][0], b"p": item[1][1]}), items)
+        return [r if isinstance(r, RemoteFault) else True for r in replies]
 
     def delete(self, keys: Sequence[bytes]) -> list[bool | RemoteFault]:
         return [r if isinstance(r, RemoteFault) else bool(r) for r in self._batch(lambda p, k: p.delete(k), keys)]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
-from kvtier.mechanism.cluster.values import HEADER, cluster_key, decode_into, encode, layout_hash
+from kvtier.mechanism.cluster.values import HEADER, cluster_key, decode_into, header, layout_hash
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ class ClusterTier:
         ok, corrupt = [], []
         absent = 0
         for key, reply, view in zip(keys, replies, views):
-            good = isinstance(reply, (bytes, bytearray)) and decode_into(self._layout, reply, view)
-            if not good and isinstance(reply, (bytes, bytearray)):
+            good = isinstance(reply, tuple) and decode_into(self._layout, *reply, view)
+            if not good and isinstance(reply, tuple):
                 corrupt.append(key)
             absent += reply is None
             ok.append(good)
@@ -107,9 +107,12 @@ class ClusterTier:
         """Store each (key, page); returns how many were stored."""
         return sum(self.write_each(namespace, items))
 
-    def write_each(self, namespace: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        """Store each (key, page); whether each was stored."""
-        values = [(key, encode(self._layout, page)) for key, page in items]
+    def write_each(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                   checksums: Sequence[int | None] | None = None) -> list[bool]:
+        """Store each (key, page); whether each was stored. `checksums`: each page's xxh3-64
+        where already known (the host tier computed it at commit), None to compute it."""
+        sums = checksums or [None] * len(items)
+        values = [(key, (header(self._layout, page, checksum), page)) for (key, page), checksum in zip(items, sums)]
         replies = self._call("put", namespace, lambda s, kvs: s.put(kvs), values, keyed=True)
         ok = [r is True for r in replies]
         stored = sum(ok)

@@ -4,7 +4,7 @@ Key: `<prefix>:<layout id>:<namespace, percent-quoted>:<block key, hex>`. Printa
 operator can read it in `redis-cli` and write ACL key patterns per namespace
 (`~kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never share a key.
 
-Value: a 32-byte header, then the page:
+Value: a 32-byte header and the page, stored as two parts of one value (RemoteStore):
 
     offset  size  field
     0       4     magic b"KVTP"
@@ -36,21 +36,22 @@ def layout_hash(layout_id: str) -> int:
     return int(layout_id[:16].ljust(16, "0"), 16)
 
 
-def encode(layout: int, page: memoryview) -> bytes:
-    """Header and page in one buffer (redis-py sends a value as one bulk string): one copy."""
-    header = HEADER.pack(MAGIC, VERSION, layout, page.nbytes, xxhash.xxh3_64_intdigest(page))
-    return b"".join((header, page))
+def header(layout: int, page: memoryview, checksum: int | None = None) -> bytes:
+    """The header of `page` (`checksum`: its xxh3-64 if already known); the page itself is
+    stored as it is."""
+    if checksum is None:
+        checksum = xxhash.xxh3_64_intdigest(page)
+    return HEADER.pack(MAGIC, VERSION, layout, page.nbytes, checksum)
 
 
-def decode_into(layout: int, value: bytes, out: memoryview) -> bool:
-    """Copy the page of `value` into `out` if its header and checksum hold; False if not
-    (the caller drops it)."""
-    if len(value) != HEADER.size + out.nbytes:
+def decode_into(layout: int, head: bytes, page: bytes, out: memoryview) -> bool:
+    """Copy `page` into `out` if its header `head` and checksum hold; False if not (the
+    caller drops it)."""
+    if len(head) != HEADER.size or len(page) != out.nbytes:
         return False
-    magic, version, their_layout, length, checksum = HEADER.unpack_from(value, 0)
+    magic, version, their_layout, length, checksum = HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or their_layout != layout or length != out.nbytes:
         return False
-    page = memoryview(value)[HEADER.size:]
     if xxhash.xxh3_64_intdigest(page) != checksum:
         return False
     out[:] = page

@@ -34,12 +34,15 @@ class _Offer:
 
 class ClusterWriter:
     def __init__(self, tier: ClusterTier, view: Callable[[Slot], memoryview], *, max_bytes: int,
-                 batch_pages: int = 64, retry_interval: float = 1.0) -> None:
-        """`view(slot)` is a host page; `max_bytes` bounds what is queued or in flight;
+                 checksum: Callable[[Slot], int | None] = lambda slot: None, batch_pages: int = 64,
+                 retry_interval: float = 1.0) -> None:
+        """`view(slot)` is a host page and `checksum(slot)` the xxh3-64 it was published
+        with, if known (not hashed again); `max_bytes` bounds what is queued or in flight;
         `batch_pages` pages go in one pipeline; while the cluster fails, one offer per
         `retry_interval` is tried and the rest refused."""
         self.tier = tier
         self.view = view
+        self.checksum = checksum
         self.max_bytes = max_bytes
         self.batch_pages = batch_pages
         self.retry_interval = retry_interval
@@ -107,9 +110,10 @@ class ClusterWriter:
                     log.exception("cluster write completion failed")
 
     def _write(self, namespace: str, offers: list[_Offer], results: dict[int, list[bool]]) -> None:
-        pages = [(key, memoryview(page) if isinstance(page, bytes) else self.view(page))
-                 for offer in offers for key, page in offer.pages]
-        stored = iter(self.tier.write_each(namespace, pages))
+        pages = [page for offer in offers for page in offer.pages]
+        items = [(key, memoryview(page) if isinstance(page, bytes) else self.view(page)) for key, page in pages]
+        sums = [None if isinstance(page, bytes) else self.checksum(page) for _, page in pages]
+        stored = iter(self.tier.write_each(namespace, items, sums))
         for offer in offers:
             results[id(offer)] = [next(stored) for _ in offer.pages]
 
