@@ -281,3 +281,13 @@ def test_demote_writes_pages_as_they_leave_host_and_never_back(nodes):
     wait_until(lambda: in_cluster(mine[0][0]) == 6, what="B's own pages demoted to the cluster")
     assert in_cluster(first[0]) == 0  # B knew they came from the cluster: not written back
     assert b.stats().pool(b.pool.pool_id).tier(Tier.DISK).cached_pages > 0
+
+
+def test_prefetch_brings_cluster_pages_into_host(nodes):
+    a, b = nodes("a"), nodes("b")
+    (keys, data), = write_prompts(a, 1, seed=1000, blocks=8)
+    wait_until(lambda: b.lookup(keys).hit_blocks == 8, what="the pages to reach the cluster")
+    other = b.block_keys(tokens(16 * 2, seed=1001))  # never stored anywhere
+    assert b.prefetch(keys + other) == 8  # what the cluster holds, not what it does not
+    wait_until(lambda: b.lookup(keys).tiers == (Tier.HOST,) * 8, what="the prefetched pages in B's host")
+    assert read_checked(b, keys, data) == 8
