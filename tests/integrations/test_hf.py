@@ -272,6 +272,51 @@ def test_model_identity_and_layout_come_from_the_model(models):
     assert model_namespace(same, model_id="org/my-model").startswith("hf/org/my-model/")
 
 
+def test_one_checkpoint_at_two_paths_shares_pages_and_other_weights_do_not(tmp_path, client):
+    """Replicas that mount the same weights at different paths get one namespace (the load path
+    is not part of it) and restore each other's pages; other weights or another config do not."""
+    model = _llama(seed=5)
+    replicas = []
+    for where in (tmp_path / "replica-a", tmp_path / "mnt" / "models" / "replica-b"):
+        model.save_pretrained(where)
+        replicas.append(transformers.AutoModelForCausalLM.from_pretrained(where).eval())
+    a, b = replicas
+    assert a.config._name_or_path != b.config._name_or_path
+    assert model_namespace(a) == model_namespace(b) == model_namespace(model)
+    assert model_namespace(_llama(seed=6)) != model_namespace(a)  # other weights
+    assert model_namespace(_llama(seed=5, rms_norm_eps=1e-5)) != model_namespace(a)  # same weights, other config
+
+    ids = _prompt(70, seed=13)
+    stored = HFPrefixCache(client(), a, planner=LoadEverything()).prefill(ids).stored
+    restored = HFPrefixCache(client(), b, planner=LoadEverything()).restore(ids)
+    assert stored.stored_blocks + stored.already_cached == 4 and restored.blocks == 4
+
+
+def test_a_sliding_window_config_is_refused_when_the_helper_is_built(client, namespace):
+    """Mistral's config sets sliding_window (no layer_types): refused up front, with the message
+    a sliding cache layer gets at store time."""
+    shape = dict(COMMON, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    sliding = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=32)).eval()
+    with pytest.raises(ValueError, match="sliding_window=32") as built:
+        HFPrefixCache(client(), sliding, namespace=namespace)
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        page_layout(sliding.config)
+
+    torch.manual_seed(0)
+    full = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=None)).eval()
+    cache = HFPrefixCache(client(), full, namespace=namespace, planner=LoadEverything())  # accepted
+    ids = _prompt(40, seed=14)
+    window = DynamicCache(config=sliding.config)
+    with torch.no_grad():
+        sliding(input_ids=ids, use_cache=True, **cache.cache_kwargs(window))
+    with pytest.raises(ValueError, match="cache layer 0 is a sliding-window layer") as stored:
+        cache.store(ids, window)
+    reason = "supports models whose every layer is full attention"
+    assert str(built.value).split(": ", 1)[1] == str(stored.value).split(": ", 1)[1]
+    assert reason in str(built.value)
+
+
 def test_bad_input_is_refused_clearly(models, client, namespace):
     model = models["llama"]
     kv = client()

@@ -20,14 +20,17 @@ or step by step: ``r = cache.restore(ids)``; ``model(ids[:, r.tokens:], cache=r.
 
 What it supports: batch size 1 (one sequence per call); decoder-only models whose cache is
 the standard `DynamicCache` of full layers (per layer ``layers[i].keys`` / ``.values`` of
-shape ``[1, kv_heads, seq, head_dim]``): Llama, Mistral, Qwen2, GPT-NeoX and the like.
-Models with sliding-window or linear-attention layer types, and caches whose layers keep
-only a window, are refused with an explanation. Pages are host pages: a model on a GPU
+shape ``[1, kv_heads, seq, head_dim]``): Llama, Mistral without a sliding window, Qwen2,
+GPT-NeoX and the like. Models with sliding-window, chunked or linear-attention layers (a
+`layer_types` entry, or a config that sets `sliding_window` such as Mistral 7B v0.1) are
+refused with an explanation when the helper is built; caches whose layers keep only a window
+are refused at store time with the same one. Pages are host pages: a model on a GPU
 works, its KV is copied through host memory.
 
 Names: the page layout comes from the model config (`page_layout`); the namespace from the
-model's identity (`model_namespace`: its name, and a fingerprint of its config and a sample
-of its weights, so two checkpoints, or two random initialisations, never share pages);
+model's identity (`model_namespace`: its model type, and a fingerprint of its config's content
+and a sample of its weights, so two checkpoints, or two random initialisations, never share
+pages, while one checkpoint mounted at two paths does: the load path never enters it);
 `salt` (per tenant) enters every block key, so tenants with different salts never share
 pages even in one namespace. torch and transformers are imported on first use only.
 """
@@ -198,18 +201,31 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _not_full_attention(what: str) -> ValueError:
+    """The one refusal for KV that is not full attention, raised when the helper is built (from
+    the config) and again at store time (from the cache's layers), so both read the same."""
+    return ValueError(
+        f"{what}: kvtier's transformers helper supports models whose every layer is full attention (a "
+        "sliding-window, chunked or linear-attention layer keeps only part of the prefix, so its pages would not "
+        "describe the prompt)"
+    )
+
+
 def _check_attention(config: Any) -> None:
+    """Refuse a config whose cache would not be all full-attention layers. `layer_types`, when
+    the config has it, is what transformers builds the cache from; without it transformers makes
+    a layer sliding when the config sets `sliding_window` (Mistral) and chunked when it sets
+    `attention_chunk_size`, so those are refused here, not first at store time."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         other = sorted({t for t in layer_types if t != "full_attention"})
         if other:
-            raise ValueError(
-                f"model has {', '.join(other)} layers; kvtier's transformers helper supports models whose every "
-                "layer is full attention (a sliding-window or linear-attention layer keeps only part of the "
-                "prefix, so its pages would not describe the prompt)"
-            )
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ValueError("model uses a sliding window (use_sliding_window=True); only full attention is supported")
+            raise _not_full_attention(f"model has {', '.join(other)} layers")
+        return
+    for field in ("sliding_window", "attention_chunk_size"):
+        value = getattr(config, field, None)
+        if value is not None:
+            raise _not_full_attention(f"model config sets {field}={value}")
 
 
 def page_layout(model_or_config: Any, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: Any = None) -> PageLayout:
@@ -244,18 +260,25 @@ def page_layout(model_or_config: Any, *, block_tokens: int = DEFAULT_BLOCK_TOKEN
                       dtype=_dtype_name(dtype))
 
 
+def _kv_config(items: dict[str, Any]) -> dict[str, Any]:
+    """A config dict's content that can change KV: without the keys in `_NOT_KV`, in nested
+    configs too (a multimodal model's `text_config` carries its own `_name_or_path`)."""
+    return {k: _kv_config(v) if isinstance(v, dict) else v for k, v in items.items() if k not in _NOT_KV}
+
+
 def model_fingerprint(model: Any, *, samples: int = 64) -> str:
-    """12 hex digits identifying a model's KV: its class, the config keys that change KV,
-    its dtype, and `samples` evenly spaced values of every parameter (cheap even for
-    billions of weights). Different checkpoints, dtypes or random initialisations differ."""
+    """12 hex digits identifying a model's KV: its class, the config's content that changes KV,
+    its dtype, and `samples` evenly spaced values of every parameter (cheap even for billions
+    of weights). Different checkpoints, dtypes or random initialisations differ; where the
+    weights were loaded from does not enter it (no `name_or_path`), so replicas that mount the
+    same checkpoint at different paths agree."""
     import torch
 
     h = hashlib.sha256()
     h.update(type(model).__name__.encode())
     config = getattr(model, "config", None)
     if config is not None:
-        items = {k: v for k, v in config.to_dict().items() if k not in _NOT_KV}
-        h.update(json.dumps(items, sort_keys=True, default=str).encode())
+        h.update(json.dumps(_kv_config(config.to_dict()), sort_keys=True, default=str).encode())
     h.update(str(getattr(model, "dtype", "")).encode())
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -269,11 +292,12 @@ def model_fingerprint(model: Any, *, samples: int = 64) -> str:
 
 
 def model_namespace(model: Any, *, model_id: str | None = None) -> str:
-    """``hf/<name>/<fingerprint>``: `model_id`, else the config's name_or_path, else its
-    model_type, and `model_fingerprint`. At most 255 bytes (a long name is cut from the left)."""
+    """``hf/<name>/<fingerprint>``: `model_id`, else the config's model_type (else the class
+    name), and `model_fingerprint`. Never the path the model was loaded from: two replicas that
+    mount the same weights at different paths share pages. At most 255 bytes (a long name is
+    cut from the left)."""
     config = getattr(model, "config", None)
-    name = model_id or getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
-    name = name or getattr(config, "model_type", "") or type(model).__name__
+    name = model_id or getattr(config, "model_type", "") or type(model).__name__
     name = "-".join(str(name).split()).strip("/") or "model"
     fingerprint = model_fingerprint(model)
     room = 255 - len("hf//") - len(fingerprint)
@@ -441,7 +465,7 @@ class HFPrefixCache:
         dtype = self._torch_dtype()
         for i, layer in enumerate(layers):
             if getattr(layer, "is_sliding", False):
-                raise ValueError(f"cache layer {i} is a sliding-window layer; only full attention is supported")
+                raise _not_full_attention(f"cache layer {i} is a sliding-window layer")
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if k is None or v is None or k.dim() != 4:
                 raise ValueError(f"cache layer {i} holds no [batch, kv_heads, seq, head_dim] keys/values")
