@@ -9,9 +9,18 @@ machine whose disk is slower than its prefill never loads from disk at all.
 
 The figures are measured, never configured: tier bandwidths come from the daemon
 (`Stats`, a probe at pool creation refined by real reads), the prefill rate from the
-engine (`Planner.observe_prefill` after each prefill), the fixed cost of a load from the
-round trip of the Stats call itself. Until the engine has measured a prefill the planner
-loads every cached block (the daemon's figures alone cannot say recompute is faster).
+engine (`Planner.observe_prefill` after each prefill), the rate at which the engine copies
+loaded pages into its own KV from the engine too (`Planner.observe_copy`), the fixed cost
+of a load from the round trip of the Stats call itself. Until the engine has measured a
+prefill the planner loads every cached block (the daemon's figures alone cannot say
+recompute is faster).
+
+The daemon's host figure is a memcpy out of the arena: its estimate of the step the engine
+really does, copying a page out of host memory into its KV blocks. That copy is often slower
+(strided into the engine's layout, scattered over its blocks). Once the engine has measured
+it, the step costs the slower of the two rates: both describe the same bytes moving once, so
+they are not added (that would count the copy twice), and the slower errs towards
+recomputing, as the rest of the planner does.
 
 Prefill cost per token grows with context (attention), so a linear rate slightly
 under-prices recomputing late blocks: the planner errs towards recomputing, never
@@ -33,6 +42,8 @@ if TYPE_CHECKING:
 
 #: Weight of a new prefill measurement in the moving average.
 PREFILL_ALPHA = 0.3
+#: Weight of a new engine-side copy measurement in its moving average.
+COPY_ALPHA = 0.3
 
 
 @dataclass(frozen=True)
@@ -51,19 +62,42 @@ class LoadPlan:
         return self.cached_blocks - self.load_blocks
 
 
+def _climb(tier: Tier, into: Tier) -> list[Tier]:
+    """The tiers a page leaves on its way from `tier` to the engine, which reads from `into`:
+    its own and every faster one down to `into`. A cluster page is fetched into host memory
+    directly, so it never passes through disk."""
+    steps = [Tier(step) for step in range(into, tier + 1)]
+    if tier == Tier.CLUSTER and Tier.DISK in steps:
+        steps.remove(Tier.DISK)
+    return steps
+
+
 def load_seconds_per_block(tier: Tier, *, page_bytes: int, bandwidth: Mapping[Tier, float], into: Tier) -> float:
     """Seconds to bring one page from `tier` into the engine through tier `into`.
 
     `bandwidth[t]` is the rate at which pages leave tier t towards the engine (disk: into
-    host memory; host: copied out of the shared arena). A page climbs every tier from its own
-    up to `into`. An unmeasured (0) tier counts as free: the planner then cannot tell and loads.
+    host memory; host: copied out of the shared arena; cluster: fetched into host memory).
+    A page climbs every tier from its own up to `into` (a cluster page skips disk). An
+    unmeasured (0) tier counts as free: the planner then cannot tell and loads.
     """
     seconds = 0.0
-    for step in range(into, tier + 1):
-        rate = bandwidth.get(Tier(step), 0.0)
+    for step in _climb(tier, into):
+        rate = bandwidth.get(step, 0.0)
         if rate > 0:
             seconds += page_bytes / rate
     return seconds
+
+
+def effective_bandwidth(bandwidth: Mapping[Tier, float], *, into: Tier,
+                        copy_bytes_per_second: float | None) -> dict[Tier, float]:
+    """The daemon's tier bandwidths with the engine's measured copy rate folded into the
+    `into` step: the slower of the two (see the module docstring), the engine's alone when
+    the daemon has no figure for that tier."""
+    rates = dict(bandwidth)
+    if copy_bytes_per_second:
+        daemon = rates.get(into, 0.0)
+        rates[into] = min(daemon, copy_bytes_per_second) if daemon > 0 else copy_bytes_per_second
+    return rates
 
 
 def plan_load(
@@ -75,10 +109,14 @@ def plan_load(
     prefill_tokens_per_second: float | None,
     fixed_seconds: float = 0.0,
     into: Tier = Tier.HOST,
+    copy_bytes_per_second: float | None = None,
 ) -> LoadPlan:
-    """The prefix length to load, given the tier of each cached block (`LookupResult.tiers`)."""
+    """The prefix length to load, given the tier of each cached block (`LookupResult.tiers`).
+    `copy_bytes_per_second` is the engine's measured rate of copying loaded pages into its own
+    KV (None: not measured; the daemon's figure for `into` stands alone)."""
     cached = len(tiers)
-    per_block = [load_seconds_per_block(t, page_bytes=page_bytes, bandwidth=bandwidth, into=into) for t in tiers]
+    rates = effective_bandwidth(bandwidth, into=into, copy_bytes_per_second=copy_bytes_per_second)
+    per_block = [load_seconds_per_block(t, page_bytes=page_bytes, bandwidth=rates, into=into) for t in tiers]
     if cached == 0:
         return LoadPlan(0, 0, 0.0, 0.0, "nothing cached")
     if not prefill_tokens_per_second:
@@ -107,7 +145,7 @@ def plan_load(
 
 class Planner:
     """Plans loads for one registered client from the daemon's measured tier bandwidths and
-    the engine's measured prefill rate. Thread-safe; bandwidths refresh every
+    the engine's measured prefill and copy rates. Thread-safe; bandwidths refresh every
     `refresh_seconds` (one Stats call)."""
 
     def __init__(self, client: "KVTierClient", *, into: Tier = Tier.HOST, refresh_seconds: float = 5.0) -> None:
@@ -119,11 +157,18 @@ class Planner:
         self._fixed_seconds = 0.0
         self._fetched_at = float("-inf")
         self._prefill_rate: float | None = None
+        self._copy_rate: float | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float | None:
         with self._lock:
             return self._prefill_rate
+
+    @property
+    def copy_bytes_per_second(self) -> float | None:
+        """The engine's measured rate of copying loaded pages into its KV (moving average)."""
+        with self._lock:
+            return self._copy_rate
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the engine just ran (tokens computed, wall seconds)."""
@@ -133,6 +178,16 @@ class Planner:
         with self._lock:
             old = self._prefill_rate
             self._prefill_rate = rate if old is None else (1 - PREFILL_ALPHA) * old + PREFILL_ALPHA * rate
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        """Report the engine copying `nbytes` of loaded pages into its own KV in `seconds`
+        (the copy alone: not the acquire, not waiting for disk, which the daemon's figures cover)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            old = self._copy_rate
+            self._copy_rate = rate if old is None else (1 - COPY_ALPHA) * old + COPY_ALPHA * rate
 
     def bandwidth(self) -> dict[Tier, float]:
         """Read bytes per second of each tier of this client's pool, as the daemon measured them."""
@@ -155,7 +210,7 @@ class Planner:
     def plan(self, lookup: LookupResult) -> LoadPlan:
         bandwidth = self.bandwidth()
         with self._lock:
-            rate, fixed = self._prefill_rate, self._fixed_seconds
+            rate, fixed, copy_rate = self._prefill_rate, self._fixed_seconds, self._copy_rate
         pool = self._client.pool
         return plan_load(
             lookup.tiers[: lookup.hit_blocks],
@@ -165,4 +220,5 @@ class Planner:
             prefill_tokens_per_second=rate,
             fixed_seconds=fixed,
             into=self._into,
+            copy_bytes_per_second=copy_rate,
         )
