@@ -5,7 +5,9 @@ three separate engine processes (run with .venv-vllm's python, see scripts/setup
 2. cold: with the connector; kvtier is empty, so every full prompt block is stored, chunk
    by chunk (prefill in chunks of 64 tokens);
 3. warm: a fresh engine (nothing in vLLM's own cache) with the connector, in separate
-   engine-core and worker processes as `vllm serve` runs them.
+   engine-core and worker processes as `vllm serve` runs them, with vLLM's KV events and
+   stats on. After P1-P3 it runs three new prompts in one generate() call, at most 64
+   prompt tokens per request and step, so they prefill side by side.
 
 Prompts: P1 (300 tokens), P2 (its first 200 tokens, then 60 others) and P3 (256 tokens,
 exactly 8 blocks). Blocks are 32 tokens: vLLM's CPU attention needs a multiple of 32.
@@ -13,6 +15,13 @@ In the warm run P1 loads all 9 full blocks (288 tokens) from kvtier; P2 gets its
 blocks from vLLM's own prefix cache (P1 just ran) and the 2 more the cold run stored from
 kvtier; P3, cached in full, loads 255 tokens because vLLM computes the last prompt token
 itself. Greedy outputs and their logprobs equal the reference run's.
+
+The batch: Q1 (200 new tokens), Q2 (Q1's first 160, then 60 others), Q3 (Q1's first 96,
+then 40 others). Side by side, Q2 and Q3 get Q1's first blocks from vLLM's prefix cache in
+the step Q1 computes them, and Q1 later computes blocks Q2 already stores: a connector that
+stored what vLLM's cache served or what another request stores would say it stored twice
+the blocks the daemon holds. What the requests say they stored, what the daemon holds, the
+connector's Prometheus counters and its KV events must all be the 8 distinct new blocks.
 """
 from __future__ import annotations
 
@@ -41,7 +50,8 @@ pytestmark = [
 ]
 
 
-def _prompts() -> list[list[str]]:
+def _prompts() -> tuple[list[list[str]], list[list[str]]]:
+    """P1-P3, run one by one, and the batch Q1-Q3 (module docstring)."""
     rng = random.Random(7)
 
     def words(n: int) -> list[str]:
@@ -50,7 +60,13 @@ def _prompts() -> list[list[str]]:
     p1 = words(300)
     p2 = p1[:200] + words(60)
     p3 = words(256)
-    return [p1, p2, p3]
+    q1 = words(200)
+    return [p1, p2, p3], [q1, q1[:160] + words(60), q1[:96] + words(40)]
+
+
+def _distinct_blocks(prompts: list[list[str]]) -> int:
+    """Full blocks of distinct content (a block is named by its whole prefix)."""
+    return len({tuple(p[: (i + 1) * BLOCK]) for p in prompts for i in range(len(p) // BLOCK)})
 
 
 def _engine(tmp_path: Path, name: str, model: Path, prompts: Path, *args: str) -> dict:
@@ -74,20 +90,33 @@ def _engine(tmp_path: Path, name: str, model: Path, prompts: Path, *args: str) -
     return json.loads(out.read_text())
 
 
+def _host_pages(daemon) -> int:
+    """Pages the daemon holds in host memory for the engines' layout."""
+    with KVTierClient(daemon.target) as client:
+        pools = [p for p in client.stats().pools if p.layout.block_tokens == BLOCK]
+    assert len(pools) == 1
+    return pools[0].tier(Tier.HOST).cached_pages
+
+
 def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
-    prompts = _prompts()
+    prompts, batch = _prompts()
     prompt_file = tmp_path / "prompts.json"
     prompt_file.write_text(json.dumps([" ".join(p) for p in prompts]))
+    batch_file = tmp_path / "batch.json"
+    batch_file.write_text(json.dumps([" ".join(p) for p in batch]))
     model = tmp_path / "model"
     daemon = start_daemon(tmp_path, host_size="32MiB", disk_size="64MiB")
     try:
         kv = ("--kvtier", daemon.target, "--namespace", "e2e/tiny-llama")
-        ref = _engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching")
+        ref = _engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching",
+                      "--batch-prompts", str(batch_file))
         # Prefill in chunks of 2 blocks: each chunk stores the blocks it completes.
         cold = _engine(tmp_path, "cold", model, prompt_file, *kv, "--in-process", "--max-num-batched-tokens", "64")
-        warm = _engine(tmp_path, "warm", model, prompt_file, *kv)
-        with KVTierClient(daemon.target) as client:
-            stats = client.stats()
+        after_cold = _host_pages(daemon)
+        warm = _engine(tmp_path, "warm", model, prompt_file, *kv, "--batch-prompts", str(batch_file),
+                       "--long-prefill-token-threshold", "64", "--kv-events", f"ipc://{tmp_path}/kv-events.sock",
+                       "--stats")
+        after_warm = _host_pages(daemon)
     finally:
         code = daemon.stop()
     assert code == 0, daemon.log()
@@ -120,20 +149,53 @@ def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
     assert [c["stored_blocks"] for c in warm_kv] == [0, 0, 0]
 
     # Same greedy tokens as recomputing everything, and the same logprobs.
-    for run in (cold, warm):
-        for got, want in zip(run["results"], ref["results"]):
-            assert got["prompt_token_ids"] == want["prompt_token_ids"]
-            assert got["token_ids"] == want["token_ids"]
-            assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
+    for got, want in [*zip(cold["results"], ref["results"]), *zip(warm["results"], ref["results"]),
+                      *zip(warm["batch_results"], ref["batch_results"])]:
+        assert got["prompt_token_ids"] == want["prompt_token_ids"]
+        assert got["token_ids"] == want["token_ids"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
 
-    # The daemon holds each distinct block once.
-    pools = [p for p in stats.pools if p.layout.block_tokens == BLOCK]
-    assert len(pools) == 1
-    assert pools[0].tier(Tier.HOST).cached_pages == full[0] + (full[1] - shared) + full[2]
+    # The daemon holds each distinct block once, and the cold run says it stored exactly those.
+    assert after_cold == _distinct_blocks(prompts) == sum(c["stored_blocks"] for c in cold_kv)
+
+    # The batch: what the requests say they stored is what the daemon took, the 8 distinct new blocks.
+    batch_kv = [r["kv_transfer_params"]["kvtier"] for r in warm["batch_results"]]
+    new_blocks = _distinct_blocks(batch)
+    assert new_blocks == 8
+    assert [len(r["prompt_token_ids"]) for r in warm["batch_results"]] == [len(q) for q in batch]
+    assert sum(b["stored_blocks"] for b in batch_kv) == after_warm - after_cold == new_blocks, batch_kv
+    # The worker timed its copies of loaded pages, and the planner has the rate.
+    assert all(b["copy_bytes_per_second"] for b in batch_kv), batch_kv
+
+    # The connector's counters (vLLM's stats -> Prometheus vllm:kvtier_*).
+    metrics = warm["metrics"]
+    loaded_blocks = full[0] + (full[1] - shared) + full[2]  # P1, P2 beyond vLLM's hit, P3: 9 + 2 + 8
+    assert metrics["vllm:kvtier_hit_blocks"] == metrics["vllm:kvtier_load_blocks"] == loaded_blocks
+    assert metrics["vllm:kvtier_store_blocks"] == new_blocks
+    assert metrics["vllm:kvtier_store_duplicate_blocks"] == metrics["vllm:kvtier_store_failed_blocks"] == 0
+    assert metrics["vllm:kvtier_skipped_store_blocks"] > 0  # the blocks a naive connector stores twice
+    assert metrics["vllm:kvtier_load_bytes"] > 0
+
+    # KV events: a BlockStored for each block kvtier took, in vLLM's format, with vLLM's own block hashes.
+    events = warm["events"]["kvtier"]
+    assert sum(len(e["block_hashes"]) for e in events) == new_blocks, events
+    batch_tokens = [r["prompt_token_ids"] for r in warm["batch_results"]]
+    for e in events:
+        assert (e["medium"], e["locality"], e["ownership"], e["block_size"]) == ("CPU", "LOCAL", "kvtier", BLOCK)
+        assert len(e["token_ids"]) == BLOCK * len(e["block_hashes"])
+        assert any(_contains_blocks(t, e["token_ids"]) for t in batch_tokens), e
+        assert set(e["block_hashes"]) <= set(warm["events"]["vllm_block_hashes"])
 
     print(f"\nvLLM engines: reference {ref['startup_s']:.1f}s start + {ref['generate_s']:.1f}s, cold "
           f"{cold['startup_s']:.1f}s + {cold['generate_s']:.1f}s, warm {warm['startup_s']:.1f}s + "
-          f"{warm['generate_s']:.1f}s; warm external hit tokens {external}")
+          f"{warm['generate_s']:.1f}s; warm external hit tokens {external}; batch stored "
+          f"{[b['stored_blocks'] for b in batch_kv]} of {new_blocks} new blocks, counters "
+          f"{ {k.removeprefix('vllm:kvtier_'): v for k, v in metrics.items()} }")
+
+
+def _contains_blocks(prompt: list[int], tokens: list[int]) -> bool:
+    """`tokens` are whole blocks of `prompt`, at a block boundary."""
+    return any(prompt[i : i + len(tokens)] == tokens for i in range(0, len(prompt) - len(tokens) + 1, BLOCK))
 
 
 CONFIG_CHECK = r"""

@@ -5,14 +5,20 @@
         word-level tokenizer ("w0" .. "w508", one token per word) into MODEL_DIR
     vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model]
                            [--kvtier TARGET --namespace NS] [--no-prefix-caching] [--in-process]
-                           [--max-tokens N] [--max-num-batched-tokens N]
+                           [--max-tokens N] [--max-num-batched-tokens N] [--long-prefill-token-threshold N]
+                           [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats]
         (--build-model: build MODEL_DIR first, in this process) run the prompts one
         generate() call after another (greedy) and write, per prompt,
         the prompt and generated token ids, the generated tokens' logprobs, vLLM's
-        num_cached_tokens and the connector's kv_transfer_params. --in-process runs the
-        engine core and the worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
-        starts in half the time); by default they are separate processes, as in `vllm serve`,
-        so the connector's metadata crosses process boundaries.
+        num_cached_tokens and the connector's kv_transfer_params; then the --batch-prompts,
+        all in one generate() call (so vLLM schedules them side by side), the same per prompt.
+        --in-process runs the engine core and the worker inside this process
+        (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in half the time); by default they are
+        separate processes, as in `vllm serve`, so the connector's metadata crosses process
+        boundaries. --kv-events publishes vLLM's KV events on a ZeroMQ ENDPOINT (ipc://...)
+        and records the BlockStored events the connector made (ownership "kvtier") and the
+        block hashes of vLLM's own; --stats turns vLLM's stats on and records the connector's
+        Prometheus counters (vllm:kvtier_*) from LLM.get_metrics().
 
 Everything runs offline: no hub, no usage stats. vLLM is imported only under `__main__`
 (its engine starts worker processes that re-import this file).
@@ -54,13 +60,70 @@ def build(model_dir: str) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir)
 
 
+class EventListener:
+    """Collects the KV event batches vLLM publishes on a ZeroMQ endpoint, in a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.connect(endpoint)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.events: list = []
+        self._running = True
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while self._running:
+            if self._socket.poll(100):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                self.events.extend(decoder.decode(payload).events)
+
+    def stop(self) -> None:
+        time.sleep(1.0)  # the publisher thread sends what the last steps queued
+        self._running = False
+        self._thread.join()
+        self._socket.close(linger=0)
+
+
+def _event_report(events: list) -> dict:
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    return {
+        "kvtier": [{"block_hashes": [str(h) for h in e.block_hashes], "token_ids": list(e.token_ids),
+                    "block_size": e.block_size, "medium": e.medium, "locality": e.locality, "ownership": e.ownership,
+                    "parent": None if e.parent_block_hash is None else str(e.parent_block_hash)}
+                   for e in stored if e.ownership == "kvtier"],
+        "vllm_block_hashes": sorted({str(h) for e in stored if e.ownership != "kvtier" for h in e.block_hashes}),
+    }
+
+
+def _result(out) -> dict:
+    completion = out.outputs[0]
+    return {
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "token_ids": list(completion.token_ids),
+        "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids)],
+        "num_cached_tokens": out.num_cached_tokens,
+        "kv_transfer_params": out.kv_transfer_params,
+    }
+
+
 def run(args: argparse.Namespace) -> None:
     if args.build_model:
         build(args.model)
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv_config = None
     if args.kvtier:
@@ -71,31 +134,42 @@ def run(args: argparse.Namespace) -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"target": args.kvtier, "namespace": args.namespace, "salt": "e2e"},
         )
+    options = {}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.long_prefill_token_threshold:
+        options["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+    if args.kv_events:
+        options["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                     endpoint=args.kv_events)
     started = time.monotonic()
     llm = LLM(
         model=args.model, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024, enforce_eager=True,
         enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv_config, seed=0,
-        max_num_seqs=4, disable_log_stats=True,
-        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
+        max_num_seqs=4, disable_log_stats=not args.stats, **options,
     )
     ready = time.monotonic()
+    listener = EventListener(args.kv_events) if args.kv_events else None
     with open(args.prompts) as f:
         prompts = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
-    results = []
-    for prompt in prompts:  # one call per prompt: each finishes (and is stored) before the next
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        completion = out.outputs[0]
-        results.append({
-            "prompt_token_ids": list(out.prompt_token_ids),
-            "token_ids": list(completion.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids)],
-            "num_cached_tokens": out.num_cached_tokens,
-            "kv_transfer_params": out.kv_transfer_params,
-        })
+    # One call per prompt: each finishes (and is stored) before the next.
+    results = [_result(llm.generate([prompt], params, use_tqdm=False)[0]) for prompt in prompts]
+    batch_results = []
+    if args.batch_prompts:
+        with open(args.batch_prompts) as f:
+            batch = json.load(f)
+        batch_results = [_result(out) for out in llm.generate(batch, params, use_tqdm=False)]
     done = time.monotonic()
+    report = {"results": results, "batch_results": batch_results, "startup_s": ready - started,
+              "generate_s": done - ready}
+    if listener is not None:
+        listener.stop()
+        report["events"] = _event_report(listener.events)
+    if args.stats:
+        report["metrics"] = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:kvtier_")}
     with open(args.out, "w") as f:
-        json.dump({"results": results, "startup_s": ready - started, "generate_s": done - ready}, f)
+        json.dump(report, f)
 
 
 def main() -> None:
@@ -114,6 +188,11 @@ def main() -> None:
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--max-tokens", type=int, default=12)
     r.add_argument("--max-num-batched-tokens", type=int, help="small values split prompts into prefill chunks")
+    r.add_argument("--long-prefill-token-threshold", type=int,
+                   help="at most this many prompt tokens per request and step (requests prefill side by side)")
+    r.add_argument("--batch-prompts", help="prompts (JSON list) to run in one generate() call after the others")
+    r.add_argument("--kv-events", help="publish vLLM's KV events on this ZeroMQ endpoint and record them")
+    r.add_argument("--stats", action="store_true", help="turn vLLM's stats on and record the connector's counters")
     args = parser.parse_args()
     if args.command == "build":
         build(args.model_dir)

@@ -36,10 +36,19 @@ What it does, per request (docs/integrations.md has the full story):
   store into borrowed pages as soon as the layer's attention has written it, and
   `wait_for_save` copies any layer that was not handed over (a CUDA-graph replay skips
   the per-layer hooks) and commits the pages under their keys.
-* Measured prefill speed: the worker times each forward pass and reports it with
-  `build_connector_worker_meta`; the scheduler feeds it to `Planner.observe_prefill`.
+* Each block is stored once: not if kvtier, vLLM's own prefix cache or another live request
+  of the engine already has it (scheduler.py says how).
+* Measured speeds: the worker times each forward pass and its copies of loaded pages into
+  vLLM's blocks and reports them with `build_connector_worker_meta`; the scheduler feeds
+  them to `Planner.observe_prefill` and `Planner.observe_copy`. Copies are batched: per
+  layer, one gather and one scatter for all pages of a step.
 * `request_finished` returns `kv_transfer_params={"kvtier": {...}}` (loaded tokens, blocks
   stored, the planner's reason), which vLLM attaches to the request's output.
+* vLLM's observability hooks: `take_events` gives vLLM's KV event publisher a `BlockStored`
+  for the blocks kvtier took (medium "CPU", ownership "kvtier"; when the engine enables
+  KV events); `get_kv_connector_stats` / `build_kv_connector_stats` / `build_prom_metrics`
+  count hits, loads and stores (stats.py); `reset_cache` forgets pending state and says
+  False, since kvtier keeps the namespace's pages.
 
 What it supports: models whose layers are all full attention (one KV cache group), one
 worker (tensor, pipeline and context parallel size 1), text prompts (requests with
@@ -70,14 +79,16 @@ The package, one module per concern (vLLM loads one connector class and tells it
     config.py     ConnectorConfig (kv_connector_extra_config), page layout, namespace, one worker
     link.py       DaemonLink: the registered client, and the gate that skips an unreachable daemon
     metadata.py   LoadOp, SaveOp and the per-step messages between the roles
-    scheduler.py  KVTierScheduler: lookups, load planning, metadata building
+    scheduler.py  KVTierScheduler: lookups, load planning, metadata building, KV events
     worker.py     KVTierWorker: vLLM's KV as page views, acquire/borrow/commit and the copies
+    stats.py      KVTierConnectorStats and its Prometheus counters
 
 Every vLLM import of the project happens in this package, so the rest of kvtier_client does
 not need vLLM.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -104,10 +115,13 @@ from kvtier_client.integrations.vllm.config import (
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
 from kvtier_client.integrations.vllm.scheduler import KVTierScheduler, request_salt
+from kvtier_client.integrations.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier_client.integrations.vllm.worker import KVTierWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -144,8 +158,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
             self._scheduler = KVTierScheduler(
-                self._link, self.config, block_size, do_load=transfer.is_kv_consumer, do_save=transfer.is_kv_producer
+                self._link, self.config, block_size, do_load=transfer.is_kv_consumer, do_save=transfer.is_kv_producer,
+                events=bool(events and events.enable_kv_cache_events),
+                hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
             )
         else:
             self._worker = KVTierWorker(self._link, vllm_config, self.layout, layer_names, self.config.kv_cache_format)
@@ -190,6 +207,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self._scheduler is not None else None
+
     # -- worker side (kvtier_client.integrations.vllm.worker) ---------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
@@ -221,6 +244,19 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     # -- both ---------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self._scheduler if self._scheduler is not None else self.worker
+        return half.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -231,6 +267,7 @@ __all__ = [
     "ConnectorConfig",
     "KVTierConnector",
     "KVTierConnectorMetadata",
+    "KVTierConnectorStats",
     "KVTierScheduler",
     "KVTierWorker",
     "KVTierWorkerMetadata",

@@ -1,7 +1,7 @@
 """What the two roles tell each other, through vLLM, once per step.
 
     scheduler --KVTierConnectorMetadata--> worker     (loads and saves to do this step)
-    worker  --KVTierWorkerMetadata--> scheduler       (how long the forward pass took)
+    worker  --KVTierWorkerMetadata--> scheduler       (forward and copy times, what each save became)
 
 vLLM pickles both across the engine-core / worker process boundary: plain dataclasses only.
 """
@@ -25,12 +25,25 @@ class LoadOp:
 
 @dataclass
 class SaveOp:
-    """Store vLLM blocks `block_ids` as the pages of `keys`; `parent` is the key before keys[0]."""
+    """Store vLLM blocks `block_ids` as the pages of `keys`: the request's prompt blocks from
+    block `first` on. `parent` is the key before keys[0]."""
 
     req_id: str
+    first: int
     block_ids: list[int]
     keys: list[BlockKey]
     parent: BlockKey | None
+
+
+@dataclass
+class SaveOutcome:
+    """What became of one SaveOp: `new` holds the indices (into its keys) of the pages the
+    daemon took; the others were cached already. None: nothing was stored (no free pages,
+    daemon unreachable)."""
+
+    req_id: str
+    first: int
+    new: tuple[int, ...] | None
 
 
 @dataclass
@@ -43,16 +56,23 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler after a step: how long the forward pass took, for the planner."""
+    """Worker -> scheduler after a step: how long the forward pass took and how fast loaded
+    pages were copied into vLLM's blocks (for the planner), and what each save became (for
+    the request's counts and the KV events)."""
 
     step_tokens: int = 0
     prefill_tokens: int = 0
     forward_seconds: float = 0.0
+    copy_bytes: int = 0
+    copy_seconds: float = 0.0
+    saves: list[SaveOutcome] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # One worker per engine (config.check_parallel): there is nothing to merge but timings.
         if not isinstance(other, KVTierWorkerMetadata):
             return self
         return KVTierWorkerMetadata(
             max(self.step_tokens, other.step_tokens), max(self.prefill_tokens, other.prefill_tokens),
-            max(self.forward_seconds, other.forward_seconds),
+            max(self.forward_seconds, other.forward_seconds), self.copy_bytes + other.copy_bytes,
+            max(self.copy_seconds, other.copy_seconds), self.saves or other.saves,
         )

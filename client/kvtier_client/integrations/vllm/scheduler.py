@@ -7,33 +7,69 @@ Per request, in the order vLLM calls it:
     get_num_new_matched_tokens   lookup; the planner's load beyond vLLM's own prefix hit
     update_state_after_alloc     the offered load, as blocks of the request
     build_connector_meta         (every step) LoadOps for those blocks, SaveOps for the full
-                                 prompt blocks this step completes and kvtier does not hold
-    update_connector_output      the worker's prefill timing -> Planner.observe_prefill
+                                 prompt blocks this step completes that are new (below)
+    update_connector_output      the worker's timings -> planner; what each save became ->
+                                 the request's count, KV events
     request_finished             kv_transfer_params={"kvtier": {...}}
+
+A block is stored once. A full prompt block goes into a SaveOp only if kvtier did not hold
+it at the request's lookup, vLLM's own prefix cache did not serve it (the request's computed
+tokens when it was scheduled: the request that put those blocks in vLLM's cache computed
+and stored them), and no other live request of this engine is storing it (`_storing`:
+prompts sharing a prefix that are scheduled in one step, or chunk by chunk side by side).
+The worker reports which pages the daemon took: a block the daemon already had (another
+engine stored it meanwhile) comes off the request's `stored_blocks`, and the keys of a save
+that failed are freed so that a later request stores them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier_client.errors import KVTierError
 from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
 from kvtier_client.integrations.vllm.link import DaemonLink, log
-from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
+from kvtier_client.integrations.vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadOp,
+    SaveOp,
+    SaveOutcome,
+)
+from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
 from kvtier_client.keys import BlockKey
 from kvtier_client.results import LookupResult
 from kvtier_client.tiers import Tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import BlockHash
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_TIER_SOURCES = {Tier.DEVICE: CacheHitSource.DEVICE, Tier.HOST: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK}
+#: vLLM's cache-hit source for each kvtier tier. The cluster tier is a store shared by
+#: nodes: vLLM's "remote store" source.
+_TIER_SOURCES = {
+    Tier.DEVICE: CacheHitSource.DEVICE, Tier.HOST: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK,
+    Tier.CLUSTER: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+#: KV events: committed pages land in kvtier's host tier, node-local memory: vLLM's CPU
+#: medium (as its own offloading connector names host RAM), LOCAL, owned by "kvtier".
+EVENT_MEDIUM = MEDIUM_CPU
+EVENT_LOCALITY = "LOCAL"
+EVENT_OWNER = "kvtier"
 
 
 @dataclass
@@ -42,15 +78,61 @@ class _RequestState:
     keys: list[BlockKey]
     prompt_tokens: int
     kvtier_blocks: int = 0  # leading blocks kvtier held at the last lookup
+    found: tuple[int, int] = (0, 0)  # at the last lookup: cached blocks beyond vLLM's hit, of which to load
     candidate: tuple[int, int, int] | None = None  # (first block, end block, external tokens) offered
     candidate_tiers: tuple[Tier, ...] = ()
     load: tuple[int, int] | None = None  # blocks to load in the next step
     load_tiers: tuple[Tier, ...] = ()
     block_ids: list[int] = field(default_factory=list)
-    save_upto: int = 0  # blocks before this one are in kvtier or already sent to be stored
+    save_upto: int = 0  # blocks before this one are in kvtier, in vLLM's cache, or already sent to be stored
+    storing: list[BlockKey] = field(default_factory=list)  # keys this request put in KVTierScheduler._storing
     loaded_tokens: int = 0
     stored_blocks: int = 0
     plan_reason: str = ""
+
+
+@dataclass
+class _SentSave:
+    """A SaveOp waiting for the worker's outcome, with the BlockStored payload of its blocks
+    (taken while the request was alive; None without KV events)."""
+
+    keys: list[BlockKey]
+    event: _BlockPayload | None
+
+
+@dataclass
+class _BlockPayload:
+    """What a BlockStored event says about consecutive prompt blocks of one request."""
+
+    hashes: list[BlockHash]
+    parent: BlockHash | None
+    token_ids: list[int]
+    extra_keys: list[tuple[Any, ...] | None]
+    lora_id: int | None
+    lora_name: str | None
+    session_id: str | None
+
+    def events(self, new: tuple[int, ...], block_size: int) -> list[BlockStored]:
+        """One BlockStored per run of consecutive blocks in `new` (the pages kvtier took)."""
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        out = []
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            parent = self.parent if first == 0 else self.hashes[first - 1]
+            out.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in self.hashes[first:end]],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                token_ids=self.token_ids[first * block_size : end * block_size],
+                block_size=block_size, lora_id=self.lora_id, medium=EVENT_MEDIUM, lora_name=self.lora_name,
+                extra_keys=to_event_extra_keys(self.extra_keys[first:end]), group_idx=0,
+                locality=EVENT_LOCALITY, ownership=EVENT_OWNER, session_id=self.session_id,
+            ))
+        return out
 
 
 def request_salt(base: bytes, request: Request) -> bytes:
@@ -63,20 +145,28 @@ def request_salt(base: bytes, request: Request) -> bytes:
 
 
 class KVTierScheduler:
-    """The scheduler half of KVTierConnector: one per engine core."""
+    """The scheduler half of KVTierConnector: one per engine core. `events`: keep BlockStored
+    events for vLLM's KV event publisher (when the engine enables them); `hash_block_size`:
+    the granularity of vLLM's request block hashes (the block size, for one KV cache group)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, link: DaemonLink, config: ConnectorConfig, block_size: int, *, do_load: bool,
-                 do_save: bool) -> None:
+                 do_save: bool, events: bool = False, hash_block_size: int | None = None) -> None:
         self.link = link
         self.kv = link.kv
         self.config = config
         self.block_size = block_size
+        self.hash_block_size = hash_block_size or block_size
         self.do_load = do_load
         self.do_save = do_save
+        self.events = events
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, _RequestState] = {}
+        self._storing: dict[BlockKey, str] = {}  # key -> the live request whose SaveOp stores it
+        self._sent: dict[tuple[str, int], _SentSave] = {}  # (req_id, first block) -> a SaveOp not reported yet
+        self._events: list[KVCacheEvent] = []
+        self._stats = KVTierConnectorStats()
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
@@ -103,6 +193,7 @@ class KVTierScheduler:
         if state is None or not self.do_load or not state.keys or not self.link.available():
             return 0, False
         state.candidate = None
+        state.found = (0, 0)
         try:
             found = self.kv.lookup(state.keys)
         except KVTierError as exc:
@@ -120,6 +211,7 @@ class KVTierScheduler:
             n, state.plan_reason = plan.load_blocks, plan.reason
         else:
             n, state.plan_reason = beyond.hit_blocks, "planner off: loading every cached block"
+        state.found = (beyond.hit_blocks, n)
         # vLLM computes at least the last prompt token itself.
         target = min((local + n) * block, state.prompt_tokens - 1)
         external = target - num_computed_tokens
@@ -132,7 +224,12 @@ class KVTierScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
-        if state is None or num_external_tokens <= 0 or state.candidate is None:
+        if state is None:
+            return
+        hit, planned = state.found
+        state.found = (0, 0)
+        self._stats.add(hit_blocks=hit, declined_blocks=hit - planned)
+        if num_external_tokens <= 0 or state.candidate is None:
             return
         start, end, offered = state.candidate
         if num_external_tokens != offered:
@@ -166,6 +263,7 @@ class KVTierScheduler:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                self._skip_computed(state, new.num_computed_tokens)
                 self._plan_step(state, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -175,10 +273,20 @@ class KVTierScheduler:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
+                self._skip_computed(state, cached.num_computed_tokens[i])
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._plan_step(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
         return meta
+
+    def _skip_computed(self, state: _RequestState, computed: int) -> None:
+        """A request just (re)scheduled starts with `computed` tokens: vLLM's prefix-cache hit and
+        kvtier's load. Neither is stored again: the loaded blocks are kvtier's, and the request
+        that put the others in vLLM's cache computed and stored them."""
+        served = min(computed, state.prompt_tokens) // self.block_size
+        if served > state.save_upto:
+            self._stats.add(skipped_store_blocks=served - state.save_upto)
+            state.save_upto = served
 
     def _plan_step(self, state: _RequestState, req_id: str, computed: int, scheduled: int,
                    meta: KVTierConnectorMetadata) -> None:
@@ -196,28 +304,105 @@ class KVTierScheduler:
             return  # while the daemon is away, blocks wait; a later step of the request stores them
         full = min(computed + scheduled, state.prompt_tokens) // self.block_size
         full = min(full, len(state.block_ids), len(state.keys))
-        if full > state.save_upto:
-            first = state.save_upto
-            meta.saves.append(SaveOp(
-                req_id, state.block_ids[first:full], list(state.keys[first:full]),
-                state.keys[first - 1] if first else None,
-            ))
-            state.stored_blocks += full - first
-            state.save_upto = full
+        first = state.save_upto
+        while first < full and state.keys[first] in self._storing:
+            first += 1  # another live request stores it (keys are chained: theirs come first)
+        if first > state.save_upto:
+            self._stats.add(skipped_store_blocks=first - state.save_upto)
+            state.save_upto = first
+        if full <= first:
+            return
+        keys = list(state.keys[first:full])
+        meta.saves.append(SaveOp(req_id, first, state.block_ids[first:full], keys,
+                                 state.keys[first - 1] if first else None))
+        for key in keys:
+            self._storing[key] = req_id
+        state.storing.extend(keys)
+        self._sent[(req_id, first)] = _SentSave(keys, self._payload(state.request, first, full))
+        state.stored_blocks += full - first
+        state.save_upto = full
+
+    def _payload(self, request: Request, first: int, end: int) -> _BlockPayload | None:
+        """The BlockStored payload of prompt blocks [first, end), if KV events are on and vLLM
+        hashed the prompt (it does with prefix caching enabled)."""
+        if not self.events:
+            return None
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, self.block_size)
+        if len(hashes) < end:
+            return None
+        B = self.block_size
+        lora = request.lora_request
+        return _BlockPayload(
+            hashes=list(hashes[first:end]), parent=hashes[first - 1] if first else None,
+            token_ids=list(request.prompt_token_ids[first * B : end * B]),
+            extra_keys=[generate_block_hash_extra_keys(request, i * B, (i + 1) * B, 0)[0] for i in range(first, end)],
+            lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+            session_id=request.session_id,
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if self.planner is None or not isinstance(meta, KVTierWorkerMetadata):
+        if not isinstance(meta, KVTierWorkerMetadata):
             return
+        for outcome in meta.saves:
+            self._saved(outcome)
+        if self.planner is None:
+            return
+        self.planner.observe_copy(meta.copy_bytes, meta.copy_seconds)
         # A step that was mostly prompt tokens measures the prefill rate.
         if meta.prefill_tokens >= self.block_size and 2 * meta.prefill_tokens >= meta.step_tokens:
             self.planner.observe_prefill(meta.step_tokens, meta.forward_seconds)
             log.debug("kvtier connector: prefill of %d tokens took %.4fs", meta.step_tokens, meta.forward_seconds)
 
+    def _saved(self, outcome: SaveOutcome) -> None:
+        """The worker's word on one SaveOp: count only what the daemon took, announce it, and
+        free the keys of a save that failed so another request can store them."""
+        sent = self._sent.pop((outcome.req_id, outcome.first), None)
+        if sent is None:
+            return  # sent before a reset_cache
+        state = self._requests.get(outcome.req_id)
+        new = outcome.new or ()
+        if state is not None:
+            state.stored_blocks -= len(sent.keys) - len(new)
+        if outcome.new is None:
+            for key in sent.keys:
+                if self._storing.get(key) == outcome.req_id:
+                    del self._storing[key]
+        elif sent.event is not None:
+            self._events.extend(sent.event.events(new, self.block_size))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        return self._stats.take()
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True): forget what is in flight (the keys
+        being stored, saves and events not reported yet) and say False: kvtier's pages are not
+        dropped. They belong to the namespace, which other engines share and which outlives
+        this one; KV computed with other weights needs another namespace."""
+        self._storing.clear()
+        self._sent.clear()
+        self._events.clear()
+        for state in self._requests.values():
+            state.storing.clear()
+        log.warning(
+            "kvtier connector: reset_cache forgot the connector's pending state, but kvtier keeps the pages of "
+            "namespace %r (other engines share them). If the model's weights changed, restart with another "
+            "namespace (kv_connector_extra_config 'namespace'), or those pages will be served as they are",
+            self.config.namespace,
+        )
+        return False
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
+        for key in state.storing:
+            if self._storing.get(key) == request.request_id:
+                del self._storing[key]
         # Saves run synchronously inside the step that scheduled them: nothing is in flight.
         return False, {"kvtier": {
             "loaded_tokens": state.loaded_tokens,
@@ -225,4 +410,5 @@ class KVTierScheduler:
             "stored_blocks": state.stored_blocks,
             "plan": state.plan_reason,
             "prefill_tokens_per_second": self.planner.prefill_tokens_per_second if self.planner else None,
+            "copy_bytes_per_second": self.planner.copy_bytes_per_second if self.planner else None,
         }}
