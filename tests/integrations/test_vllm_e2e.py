@@ -1,5 +1,6 @@
-"""vLLM with the kvtier connector, end to end on CPU: a real daemon, a tiny random Llama and
-three separate engine processes (run with .venv-vllm's python, see scripts/setup_vllm.sh):
+"""vLLM with the kvtier connector, end to end on CPU: two real daemons as two nodes on one
+loopback Redis Cluster, a tiny random Llama and four separate engine processes (run with
+.venv-vllm's python, see scripts/setup_vllm.sh), the first three on node A:
 
 1. reference: no connector, no prefix caching: every token recomputed;
 2. cold: with the connector; kvtier is empty, so every full prompt block is stored, chunk
@@ -8,6 +9,8 @@ three separate engine processes (run with .venv-vllm's python, see scripts/setup
    engine-core and worker processes as `vllm serve` runs them, with vLLM's KV events and
    stats on. After P1-P3 it runs three new prompts in one generate() call, at most 64
    prompt tokens per request and step, so they prefill side by side.
+4. node B: a fresh engine on the second daemon, which holds nothing of its own: it gets the
+   warm run's external hits from the cluster tier, with the reference's outputs.
 
 Prompts: P1 (300 tokens), P2 (its first 200 tokens, then 60 others) and P3 (256 tokens,
 exactly 8 blocks). Blocks are 32 tokens: vLLM's CPU attention needs a multiple of 32.
@@ -98,14 +101,20 @@ def _host_pages(daemon) -> int:
     return pools[0].tier(Tier.HOST).cached_pages
 
 
-def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
+def test_vllm_connector_end_to_end(tmp_path: Path, redis_cluster) -> None:
     prompts, batch = _prompts()
     prompt_file = tmp_path / "prompts.json"
     prompt_file.write_text(json.dumps([" ".join(p) for p in prompts]))
     batch_file = tmp_path / "batch.json"
     batch_file.write_text(json.dumps([" ".join(p) for p in batch]))
     model = tmp_path / "model"
-    daemon = start_daemon(tmp_path, host_size="32MiB", disk_size="64MiB")
+    # Two nodes on one Redis Cluster: node A's daemon serves the reference, cold and warm
+    # engines; node B's (its own socket, cache dir and arena) then serves a fresh engine
+    # that finds A's prompts in the cluster tier.
+    cluster = ("--cluster", redis_cluster.url)
+    daemon = start_daemon(tmp_path, *cluster, host_size="32MiB", disk_size="64MiB")
+    (tmp_path / "node-b").mkdir()
+    node_b = start_daemon(tmp_path / "node-b", *cluster, host_size="32MiB", disk_size="64MiB")
     try:
         kv = ("--kvtier", daemon.target, "--namespace", "e2e/tiny-llama")
         ref = _engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching",
@@ -117,9 +126,15 @@ def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
                        "--long-prefill-token-threshold", "64", "--kv-events", f"ipc://{tmp_path}/kv-events.sock",
                        "--stats")
         after_warm = _host_pages(daemon)
+        remote = _engine(tmp_path, "node-b", model, prompt_file, "--kvtier", node_b.target, "--namespace",
+                         "e2e/tiny-llama", "--in-process")
+        with KVTierClient(node_b.target) as client:
+            node_b_pool = next(p for p in client.stats().pools if p.layout.block_tokens == BLOCK)
     finally:
         code = daemon.stop()
+        code_b = node_b.stop()
     assert code == 0, daemon.log()
+    assert code_b == 0, node_b.log()
 
     lengths = [len(r["prompt_token_ids"]) for r in ref["results"]]
     assert lengths == [len(p) for p in prompts]  # one token per word
@@ -148,8 +163,16 @@ def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
     assert [r["num_cached_tokens"] for r in warm["results"]] == [external[0], full[1] * BLOCK, external[2]]
     assert [c["stored_blocks"] for c in warm_kv] == [0, 0, 0]
 
+    # Node B: a fresh engine on a fresh daemon gets the same external hits, from the cluster.
+    remote_kv = [r["kv_transfer_params"]["kvtier"] for r in remote["results"]]
+    assert [c["loaded_tokens"] for c in remote_kv] == external, remote_kv
+    assert [c["stored_blocks"] for c in remote_kv] == [0, 0, 0]
+    assert node_b_pool.tier(Tier.CLUSTER).hits >= loaded_blocks_of(full, shared)
+    assert node_b_pool.tier(Tier.CLUSTER).corrupt_pages == node_b_pool.tier(Tier.CLUSTER).io_errors == 0
+
     # Same greedy tokens as recomputing everything, and the same logprobs.
     for got, want in [*zip(cold["results"], ref["results"]), *zip(warm["results"], ref["results"]),
+                      *zip(remote["results"], ref["results"]),
                       *zip(warm["batch_results"], ref["batch_results"])]:
         assert got["prompt_token_ids"] == want["prompt_token_ids"]
         assert got["token_ids"] == want["token_ids"]
@@ -169,7 +192,7 @@ def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
 
     # The connector's counters (vLLM's stats -> Prometheus vllm:kvtier_*).
     metrics = warm["metrics"]
-    loaded_blocks = full[0] + (full[1] - shared) + full[2]  # P1, P2 beyond vLLM's hit, P3: 9 + 2 + 8
+    loaded_blocks = loaded_blocks_of(full, shared)
     assert metrics["vllm:kvtier_hit_blocks"] == metrics["vllm:kvtier_load_blocks"] == loaded_blocks
     assert metrics["vllm:kvtier_store_blocks"] == new_blocks
     assert metrics["vllm:kvtier_store_duplicate_blocks"] == metrics["vllm:kvtier_store_failed_blocks"] == 0
@@ -189,8 +212,14 @@ def test_vllm_connector_end_to_end(tmp_path: Path) -> None:
     print(f"\nvLLM engines: reference {ref['startup_s']:.1f}s start + {ref['generate_s']:.1f}s, cold "
           f"{cold['startup_s']:.1f}s + {cold['generate_s']:.1f}s, warm {warm['startup_s']:.1f}s + "
           f"{warm['generate_s']:.1f}s; warm external hit tokens {external}; batch stored "
-          f"{[b['stored_blocks'] for b in batch_kv]} of {new_blocks} new blocks, counters "
+          f"{[b['stored_blocks'] for b in batch_kv]} of {new_blocks} new blocks; node B {remote['startup_s']:.1f}s + "
+          f"{remote['generate_s']:.1f}s, external hit tokens from the cluster {[c['loaded_tokens'] for c in remote_kv]}; counters "
           f"{ {k.removeprefix('vllm:kvtier_'): v for k, v in metrics.items()} }")
+
+
+def loaded_blocks_of(full: list[int], shared: int) -> int:
+    """Blocks a warm engine loads: P1's, P2's beyond vLLM's own hit, P3's (9 + 2 + 8)."""
+    return full[0] + (full[1] - shared) + full[2]
 
 
 def _contains_blocks(prompt: list[int], tokens: list[int]) -> bool:
