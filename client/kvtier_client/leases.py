@@ -47,7 +47,8 @@ class SessionLike(Protocol):
 class LeaseOwner(Protocol):
     """What a lease needs from its client (kvtier_client.client.KVTierClient)."""
 
-    def commit(self, lease: "WriteLease", keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
+    def commit(self, lease: "WriteLease", keys: Sequence[BlockKey], *, parent: BlockKey | None = None,
+               token_ids: Sequence[int] | None = None) -> CommitResult:
         ...
 
     def release(self, lease: "Lease") -> None: ...
@@ -134,10 +135,13 @@ class WriteLease(Lease):
 
     _writable = True
 
-    def commit(self, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> CommitResult:
+    def commit(self, keys: Sequence[BlockKey], *, parent: BlockKey | None = None,
+               token_ids: Sequence[int] | None = None) -> CommitResult:
         """Page i becomes the cached copy of keys[i]; pages beyond len(keys) are freed.
-        `parent` is the key of the block before keys[0], if any. Ends the lease."""
-        return self._owner.commit(self, keys, parent=parent)
+        `parent` is the key of the block before keys[0], if any. `token_ids`: the blocks'
+        token ids, `block_tokens` per key, for the daemon's KV events (docs/events.md).
+        Ends the lease."""
+        return self._owner.commit(self, keys, parent=parent, token_ids=token_ids)
 
 
 class ReadLease(Lease):

@@ -627,7 +627,8 @@ class HFPrefixCache:
                             np.copyto(stage[:, i, j], part)
                     for page, block in zip(lease.pages, stage):
                         np.copyto(page, block)
-                    result = lease.commit(keys[first : first + n], parent=keys[first - 1] if first else None)
+                    result = lease.commit(keys[first : first + n], parent=keys[first - 1] if first else None,
+                                          token_ids=tokens[t0:t1])  # for the daemon's KV events
                 stored += result.committed
                 duplicates += len(result.duplicates)
         return StoreResult(full, stored, hit + duplicates, B, time.perf_counter() - start, note)

@@ -26,13 +26,15 @@ class LoadOp:
 @dataclass
 class SaveOp:
     """Store vLLM blocks `block_ids` as the pages of `keys`: the request's prompt blocks from
-    block `first` on. `parent` is the key before keys[0]."""
+    block `first` on. `parent` is the key before keys[0]; `token_ids` are the blocks' tokens,
+    which the daemon carries in its own KV events (docs/events.md)."""
 
     req_id: str
     first: int
     block_ids: list[int]
     keys: list[BlockKey]
     parent: BlockKey | None
+    token_ids: list[int]
 
 
 @dataclass

@@ -313,8 +313,9 @@ class KVTierScheduler:
         if full <= first:
             return
         keys = list(state.keys[first:full])
+        tokens = list(state.request.prompt_token_ids[first * self.block_size : full * self.block_size])
         meta.saves.append(SaveOp(req_id, first, state.block_ids[first:full], keys,
-                                 state.keys[first - 1] if first else None))
+                                 state.keys[first - 1] if first else None, tokens))
         for key in keys:
             self._storing[key] = req_id
         state.storing.extend(keys)

@@ -314,7 +314,7 @@ class KVTierWorker:
             for layer, view in enumerate(self._views):
                 if layer not in save.done:
                     save_layer(view, save.page_layers, op.block_ids, layer, self._copy_threads)
-            result = save.lease.commit(op.keys, parent=op.parent)
+            result = save.lease.commit(op.keys, parent=op.parent, token_ids=op.token_ids)
         except KVTierError as exc:
             self.link.failed(f"storing {len(op.keys)} pages of request {op.req_id}", exc)
             self._release(save.lease)
