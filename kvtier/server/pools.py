@@ -74,9 +74,12 @@ class PoolConfig:
 
 
 def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, host_bytes: int,
-                  max_queued_prefetch: int, observer: LatencyObserver | None = None) -> ClusterParts:
+                  max_queued_prefetch: int, throughput: Throughput,
+                  observer: LatencyObserver | None = None) -> ClusterParts:
     """One pool's cluster tier: its stores (the default user, and one per namespace listed
-    in the ACL file), its readers and, unless the node only reads, its writer."""
+    in the ACL file), its readers (their reads measure `throughput`: unmeasured until the
+    first, no probe writes into a shared cluster) and, unless the node only reads, its
+    writer."""
     def store(username: str | None = None, password: str | None = None) -> RedisClusterStore:
         return RedisClusterStore(config.url, username=username, password=password, tls_ca=config.tls_ca or None,
                                  timeout=config.timeout)
@@ -91,7 +94,7 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
             per_namespace[namespace] = store(str(user["username"]), str(user.get("password", "")) or None)
     tier = ClusterTier(store(password=password), page_bytes=layout.page_bytes, layout_id=layout.layout_id,
                        prefix=config.prefix, namespace_stores=per_namespace, observer=observer)
-    reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch)
+    reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch, throughput=throughput)
     writer = None
     if config.write is not ClusterWrite.OFF:
         writer = ClusterWriter(tier, host.view, checksum=host.checksum,
@@ -145,8 +148,9 @@ class Pool:
                     observer=observer, throughput=self.bandwidth[Tier.DISK],
                 )
             if cluster is not None and cluster.url:
+                self.bandwidth[Tier.CLUSTER] = Throughput()
                 self.cluster = cluster_parts(cluster, layout, self.host, config.host_bytes, config.max_queued_prefetch,
-                                             cluster_observer)
+                                             self.bandwidth[Tier.CLUSTER], cluster_observer)
             self.store = BlockStore(
                 layout,
                 host_pages=host_pages,
