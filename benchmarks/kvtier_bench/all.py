@@ -11,6 +11,9 @@
              LMCache's server and plain gRPC on loopback
     trace    block hit rate vs capacity on the Mooncake trace, lru and  infinite cache, offline
              prefix, one tier and host+disk                             Belady (one tier)
+    cluster  put/get of pages through the cluster tier on a loopback    redis-py's pipelined
+             Redis Cluster; the trace round-robin over two daemons,     SET/GET; the same daemons
+             hit rate with --cluster                                    without --cluster
     e2e      time to first token on CPU: full prefill vs restored       full prefill
              from host and from disk (kvtier_bench.e2e)
 
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from kvtier_bench.harness import KiB, MiB, default_out, describe_machine, format_size, machine_description
 
-SECTIONS = ("tiers", "rpc", "peers", "trace", "e2e")
+SECTIONS = ("tiers", "rpc", "peers", "trace", "cluster", "e2e")
 #: Page sizes of the tiers and peers sections: a per-layer vLLM block of Llama-3-8B
 #: (16 tokens x 8 KV heads x 128 x K/V x fp16), a Llama-3.2-1B page and a Llama-3-8B page.
 PAGE_SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
@@ -44,6 +47,7 @@ TARGETS = {
     "lane_over_echo": 15.0,  # rpc: lane p50 <= 15 x a raw SEQPACKET echo of the same frame sizes
     "page_ops": 500_000,  # rpc: page operations/s with 4 client processes over the lane
     "peers": 3.0,  # peers: kvtier >= 3 x the best peer, put and get of 2 MiB pages
+    "cluster": 0.8,  # cluster: the cluster tier's put/get >= 0.8 x redis-py's SET/GET on the same cluster
 }
 
 
@@ -65,6 +69,10 @@ class Settings:
     trace_path: str | None = None
     trace_capacities: tuple[int, ...] | None = None  # None: the trace default for the mode
     trace_limit: int | None = None
+    cluster_page_sizes: tuple[int, ...] = (256 * KiB, 2 * MiB)
+    cluster_pages: int | None = None  # None: the cluster default (256 MiB, 64 MiB quick) worth per size
+    cluster_reps: int | None = None
+    cluster_requests: int | None = 1000  # of the trace (trace_path), round-robin over two daemons; None: all
     e2e_kwargs: dict = field(default_factory=dict)
     directory: str | None = None  # disk benchmarks' directory (default /var/tmp)
 
@@ -112,6 +120,19 @@ def _section_trace(s: Settings, quick: bool, progress) -> tuple[dict, str, objec
     return result.as_dict(), format_markdown(result), result
 
 
+def _section_cluster(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
+    from kvtier_bench import cluster
+
+    missing = cluster.server_missing()
+    if missing:  # like a peer that is not installed: the reason instead of figures
+        progress(f"cluster: does not run: {missing}")
+        return {"ran": False, "reason": missing}, f"Did not run: {missing}.", None
+    result = cluster.run_cluster(s.cluster_page_sizes, pages=s.cluster_pages, reps=s.cluster_reps, quick=quick,
+                                 trace=s.trace_path or cluster.DEFAULT_TRACE, requests=s.cluster_requests,
+                                 directory=s.directory, progress=progress)
+    return {"ran": True, **result.as_dict()}, cluster.format_markdown(result), result
+
+
 def _section_e2e(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
     from kvtier_bench import e2e  # torch and transformers: imported only when this section runs
 
@@ -124,6 +145,7 @@ RUNNERS: dict[str, Callable[[Settings, bool, Callable[[str], None]], tuple[dict,
     "rpc": _section_rpc,
     "peers": _section_peers,
     "trace": _section_trace,
+    "cluster": _section_cluster,
     "e2e": _section_e2e,
 }
 
@@ -180,6 +202,13 @@ def targets(sections: dict[str, dict]) -> list[dict]:
                 ratio = row.get(f"over_copyto_{op}")
                 add("peers", f"{row['page_size']} kvtier {op}, {peers['batch']} pages/request", f">= {want} x np.copyto",
                     ratio, None if ratio is None else ratio >= want)
+    cluster = sections.get("cluster", {}).get("result")
+    if cluster and cluster.get("ran"):
+        for row in cluster["pages"]:
+            for op in ("put", "get"):
+                ratio = row[f"ratio_{op}"]
+                add("cluster", f"{row['page_size']} tier {op}", f">= {TARGETS['cluster']} x redis-py", ratio,
+                    ratio >= TARGETS["cluster"])
     e2e = sections.get("e2e", {}).get("result")
     if e2e:
         for t in e2e.get("targets", []):
@@ -357,6 +386,7 @@ SECTION_TITLES = {
     "rpc": "RPC: hot calls over the fast lane and gRPC, vs raw echoes; many clients; interference",
     "peers": "Peers: kvtier vs Redis, Mooncake Store, LMCache and plain gRPC",
     "trace": "Trace: block hit rate vs capacity (Mooncake conversation trace)",
+    "cluster": "Cluster: the cluster tier vs redis-py; two nodes' hit rate with and without it",
     "e2e": "End to end: time to first token on CPU",
 }
 

@@ -12,6 +12,7 @@ import sys
 import click
 
 from kvtier_bench import all as all_bench
+from kvtier_bench import cluster as cluster_bench
 from kvtier_bench import disk as disk_bench
 from kvtier_bench import trace as trace_bench
 from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
@@ -241,6 +242,57 @@ def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str |
     click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_table(result))
 
 
+@bench.command("cluster")
+@click.option("--pages", type=click.IntRange(min=1), default=None,
+              help=f"Pages per page size and measurement  [default: {format_size(cluster_bench.DEFAULT_BYTES)} worth, "
+                   f"{format_size(cluster_bench.QUICK_BYTES)} with --quick, at least {cluster_bench.MIN_PAGES}]")
+@click.option("--page-size", "page_sizes", type=_Size(), multiple=True,
+              help="Page size of the put/get part; repeatable  [default: 256KiB and 2MiB]")
+@click.option("--reps", type=click.IntRange(min=1), default=None,
+              help=f"Timed repetitions  [default: {cluster_bench.DEFAULT_REPS}, "
+                   f"{cluster_bench.QUICK_REPS} with --quick]")
+@click.option("--batch", type=click.IntRange(min=1, max=1024), default=cluster_bench.BATCH, show_default=True,
+              help="Pages per pipeline, the same for the tier and redis-py.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=str(trace_bench.DEFAULT_TRACE),
+              show_default=True, help="A Mooncake-format trace (JSON lines with hash_ids).")
+@click.option("--requests", type=click.IntRange(min=cluster_bench.NODES), default=cluster_bench.TRACE_REQUESTS,
+              show_default=True, help="Replay the trace's first REQUESTS requests.")
+@click.option("--full-trace", is_flag=True, help="Replay every request of the trace (12,031; minutes).")
+@click.option("--host-pages", type=click.IntRange(min=2 * cluster_bench.LEASE_PAGES), default=cluster_bench.HOST_PAGES,
+              show_default=True, help="Host tier of each daemon in the replay, in pages.")
+@click.option("--disk-pages", type=click.IntRange(min=0), default=cluster_bench.DISK_PAGES, show_default=True,
+              help="Disk tier of each daemon in the replay, in pages.")
+@click.option("--part", "parts", type=click.Choice(["pages", "trace"]), multiple=True,
+              help="Only this part; repeatable  [default: both]")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the cluster's node directories and the daemons' disk tiers go  [default: /var/tmp]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--quick", is_flag=True, help="Fewer pages and repetitions in the put/get part.")
+def cluster_command(pages: int | None, page_sizes: tuple[int, ...], reps: int | None, batch: int, trace_path: str,
+                    requests: int, full_trace: bool, host_pages: int, disk_pages: int, parts: tuple[str, ...],
+                    directory: str | None, as_json: bool, quick: bool) -> None:
+    """The cluster tier on a loopback Redis Cluster of real redis-server processes. Put/get of
+    pages through the tier (ClusterTier.write/read: header, checksum, copy into a host buffer)
+    next to redis-py's pipelined SET/GET of the same pages on the same cluster, same run (ratio
+    tier / redis-py, target >= 0.8). Then the Mooncake trace replayed round-robin over two
+    `kvtier serve` daemons with small host and disk tiers, without and with `--cluster`: block
+    hit rate in total, per node and per tier. Needs redis-server (scripts/setup_redis.sh)."""
+    missing = cluster_bench.server_missing()
+    if missing:
+        raise click.ClickException(missing)
+    parts = parts or ("pages", "trace")
+    try:
+        with _stop_on_sigterm():
+            result = cluster_bench.run_cluster(
+                (page_sizes or cluster_bench.PAGE_SIZES) if "pages" in parts else (), pages=pages, reps=reps,
+                batch=batch, quick=quick, trace=trace_path if "trace" in parts else None,
+                requests=None if full_trace else requests, host_pages=host_pages, disk_pages=disk_pages,
+                directory=os.path.abspath(directory) if directory else None, progress=progress_lines(as_json))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result.as_dict()) if as_json else cluster_bench.format_table(result))
+
+
 @bench.command("all")
 @click.option("--quick", is_flag=True, help="Every section smaller: under 10 minutes on 2 cores.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
@@ -252,7 +304,7 @@ def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str |
               help="Where the disk tiers and raw files go  [default: /var/tmp]")
 def all_command(quick: bool, out: str | None, sections: tuple[str, ...], skip: tuple[str, ...],
                 directory: str | None) -> None:
-    """Every benchmark (tiers, rpc, peers, trace, e2e) in one run: results.json, results.md and
+    """Every benchmark (tiers, rpc, peers, trace, cluster, e2e) in one run: results.json, results.md and
     PNG plots in one directory, the machine described, each figure against a baseline from the
     same run. Progress goes to stderr; a section that fails records its error and the rest runs."""
     chosen = [s for s in (sections or all_bench.SECTIONS) if s not in skip]

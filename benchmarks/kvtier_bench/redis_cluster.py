@@ -83,11 +83,10 @@ class Node:
 class LocalRedisCluster:
     """A running loopback cluster; build it with `start`, end it with `stop` (or a `with` block)."""
 
-    def __init__(self, workdir: Path, binary: str, nodes: list[Node], masters: int, maxmemory: int | None) -> None:
+    def __init__(self, workdir: Path, binary: str, nodes: list[Node], maxmemory: int | None) -> None:
         self.workdir = workdir
         self.binary = binary
         self.nodes = nodes
-        self.n_masters = masters
         self.maxmemory = maxmemory
 
     # -- building it ------------------------------------------------------------------
@@ -115,7 +114,7 @@ class LocalRedisCluster:
             directory = workdir / f"node-{ports[2 * i]}"
             directory.mkdir(parents=True, exist_ok=True)
             nodes.append(Node(i, ports[2 * i], ports[2 * i + 1], directory))
-        cluster = cls(workdir, binary, nodes, masters, maxmemory)
+        cluster = cls(workdir, binary, nodes, maxmemory)
         try:
             for node in nodes:
                 cluster._launch(node)
@@ -170,9 +169,6 @@ class LocalRedisCluster:
     def client(self, **kwargs) -> RedisCluster:
         """A redis-py cluster client on the live nodes (close it when done)."""
         return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes if n.alive], **kwargs)
-
-    def node(self, port: int) -> Node:
-        return next(n for n in self.nodes if n.port == port)
 
     def masters(self) -> list[Node]:
         """Live nodes that are masters now."""
