@@ -22,6 +22,40 @@ def write_blocks(client, keys, data):
         return lease.commit(keys)
 
 
+def write_prompts(client, n, seed, blocks=6):
+    """n prompts of `blocks` pages each, committed through `client`: [(keys, data)]."""
+    prompts = []
+    for i in range(n):
+        keys = client.block_keys(tokens(16 * blocks, seed=seed + i))
+        data = kv_pages(blocks, LAYOUT, seed=seed + i)
+        write_blocks(client, keys, data)
+        prompts.append((keys, data))
+    return prompts
+
+
+def read_checked(client, keys, data) -> int:
+    """Look up and acquire the prefix through `client`; every page it lends must be the one
+    written. A page lost between lookup and load is a NotFound for this call: a miss."""
+    try:
+        match, lease = client.acquire_prefix(keys)
+    except NotFound:
+        return 0
+    if lease is None:
+        return 0
+    with lease:
+        for page, payload in zip(lease.pages, data):
+            np.testing.assert_array_equal(as_bytes(page), payload)
+        return lease.ready
+
+
+def committed_on(a, b, seed, blocks=6):
+    """One prompt committed through node `a`, once node `b` sees all of it in the cluster
+    (the writes are asynchronous): (keys, data)."""
+    (keys, data), = write_prompts(a, 1, seed, blocks)
+    wait_until(lambda: b.lookup(keys).hit_blocks == blocks, what="node B to see A's pages in the cluster")
+    return keys, data
+
+
 def wait_until(condition, timeout=10.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -54,10 +88,7 @@ def nodes(redis_cluster, daemons, tmp_path):
 
 def test_a_prefix_committed_on_one_node_is_read_on_another(nodes):
     a, b = nodes("a"), nodes("b")
-    keys = a.block_keys(tokens(16 * 6, seed=5))
-    data = kv_pages(6, LAYOUT, seed=5)
-    write_blocks(a, keys, data)
-    wait_until(lambda: b.lookup(keys).hit_blocks == 6, what="node B to see A's pages in the cluster")
+    keys, data = committed_on(a, b, seed=5)
     assert b.lookup(keys).tiers == (Tier.CLUSTER,) * 6
     with b.acquire(keys) as lease:
         assert lease.ready == 6
@@ -71,9 +102,7 @@ def test_a_prefix_committed_on_one_node_is_read_on_another(nodes):
 
 def test_namespaces_and_layouts_never_share_cluster_pages(nodes, daemons, redis_cluster, tmp_path):
     a, b = nodes("a"), nodes("b")
-    keys = a.block_keys(tokens(16 * 3, seed=6))
-    write_blocks(a, keys, kv_pages(3, LAYOUT, seed=6))
-    wait_until(lambda: b.lookup(keys).hit_blocks == 3, what="the pages to reach the cluster")
+    keys, _ = committed_on(a, b, seed=6, blocks=3)
     target = f"unix://{tmp_path / 'b' / 'run' / 'kvtier.sock'}"
     for namespace, layout in (("another-tenant", LAYOUT),
                               ("tenant", PageLayout(layers=2, kv_heads=2, head_dim=32, block_tokens=16, dtype="bfloat16"))):
@@ -84,10 +113,7 @@ def test_namespaces_and_layouts_never_share_cluster_pages(nodes, daemons, redis_
 
 def test_a_corrupted_value_is_a_miss_and_a_counter(nodes):
     a, b = nodes("a"), nodes("b")
-    keys = a.block_keys(tokens(16 * 4, seed=7))
-    data = kv_pages(4, LAYOUT, seed=7)
-    write_blocks(a, keys, data)
-    wait_until(lambda: b.lookup(keys).hit_blocks == 4, what="the pages to reach the cluster")
+    keys, data = committed_on(a, b, seed=7, blocks=4)
     cluster = nodes.cluster.client()
     key = cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[2])
     page = bytearray(cluster.hget(key, b"p"))  # a value is a hash: h (header) and p (the page)
@@ -125,31 +151,6 @@ def test_maxmemory_eviction_gives_misses_never_wrong_pages(nodes):
     row = cluster_row(b, b.pool.pool_id)
     assert row.corrupt_pages == 0 and row.io_errors == 0
 
-
-def write_prompts(client, n, seed, blocks=6):
-    """n prompts of `blocks` pages each, committed through `client`: [(keys, data)]."""
-    prompts = []
-    for i in range(n):
-        keys = client.block_keys(tokens(16 * blocks, seed=seed + i))
-        data = kv_pages(blocks, LAYOUT, seed=seed + i)
-        write_blocks(client, keys, data)
-        prompts.append((keys, data))
-    return prompts
-
-
-def read_checked(client, keys, data) -> int:
-    """Look up and acquire the prefix through `client`; every page it lends must be the one
-    written. A page lost between lookup and load is a NotFound for this call: a miss."""
-    try:
-        match, lease = client.acquire_prefix(keys)
-    except NotFound:
-        return 0
-    if lease is None:
-        return 0
-    with lease:
-        for page, payload in zip(lease.pages, data):
-            np.testing.assert_array_equal(as_bytes(page), payload)
-        return lease.ready
 
 
 def test_a_cluster_down_at_start_is_a_miss_not_an_error(daemons, tmp_path):
@@ -286,8 +287,7 @@ def test_demote_writes_pages_as_they_leave_host_and_never_back(nodes):
 
 def test_prefetch_brings_cluster_pages_into_host(nodes):
     a, b = nodes("a"), nodes("b")
-    (keys, data), = write_prompts(a, 1, seed=1000, blocks=8)
-    wait_until(lambda: b.lookup(keys).hit_blocks == 8, what="the pages to reach the cluster")
+    keys, data = committed_on(a, b, seed=1000, blocks=8)
     other = b.block_keys(tokens(16 * 2, seed=1001))  # never stored anywhere
     assert b.prefetch(keys + other) == 8  # what the cluster holds, not what it does not
     wait_until(lambda: b.lookup(keys).tiers == (Tier.HOST,) * 8, what="the prefetched pages in B's host")
