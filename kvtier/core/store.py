@@ -38,6 +38,13 @@ host -> device in one copy-engine submission and returns at once: the lease carr
 submission's interprocess CUDA event, which the engine waits on before reading. Evicting a
 device page demotes it to host when host has no copy, and host evictions go on to disk.
 
+With a cluster tier (a store shared by nodes, below disk), a lookup whose prefix ends
+here asks the cluster for the rest, outside the lock, and reports its hits as CLUSTER;
+`acquire` and `prefetch` file a new block per such key with a loading host copy and load
+it through the same path as a disk page (`Loads.start_remote`). Committed pages are handed
+to the mover's cluster writer with their host copies held until it reports
+(`cluster_write = commit`), or copied as they are demoted to disk (`demote`).
+
 Capacity failures are decided before anything changes: `victims` only proposes, so a
 request that cannot be met raises CapacityError with every structure untouched.
 
