@@ -12,6 +12,8 @@ The fault operations are what a test of a client needs to see for real: `kill` (
 `restart`, `failover` (manual, FORCE or TAKEOVER), `reshard` (slots moved live, key by key, so
 a client meets ASK and MOVED replies), `set_maxmemory` (eviction). Needs Redis >= 7.0 or Valkey
 (for `cluster-port` and CLUSTER ADDSLOTSRANGE); scripts/setup_redis.sh installs Debian's.
+With `tls`, every node speaks TLS only, to clients and on the cluster bus (Debian's build has
+TLS), and `url` is a rediss:// address.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -36,11 +39,24 @@ FAILOVER_MODES = {"default": (), "force": ("FORCE",), "takeover": ("TAKEOVER",)}
 SETUP_HINT = "install redis-server (scripts/setup_redis.sh as root, or apt-get install redis-server)"
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS cluster: the nodes' certificate and key, and the CA that signed it
+    (clients verify the nodes with it; clients present no certificate)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def client_options(self) -> dict:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
+
+
 class Node:
     """One redis-server of the cluster. `port` and `node_id` stay the same across restarts
     (the id lives in the node's nodes.conf); `pid` is the current process's."""
 
-    def __init__(self, index: int, port: int, bus_port: int, directory: Path) -> None:
+    def __init__(self, index: int, port: int, bus_port: int, directory: Path, tls: TlsFiles | None = None) -> None:
         self.index = index
         self.port = port
         self.bus_port = bus_port
@@ -49,7 +65,8 @@ class Node:
         self.service: Service | None = None
         self.starts = 0
         # Bytes in and out: keys may be binary. Reconnects by itself after a restart.
-        self.admin = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10, socket_connect_timeout=2)
+        self.admin = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10, socket_connect_timeout=2,
+                                 **(tls.client_options() if tls else {}))
         # redis-py decodes these keys to str (replacing bytes that are not UTF-8): keep them as they are.
         self.admin.set_response_callback("CLUSTER GETKEYSINSLOT", lambda keys, **options: keys)
 
@@ -83,16 +100,18 @@ class Node:
 class LocalRedisCluster:
     """A running loopback cluster; build it with `start`, end it with `stop` (or a `with` block)."""
 
-    def __init__(self, workdir: Path, binary: str, nodes: list[Node], maxmemory: int | None) -> None:
+    def __init__(self, workdir: Path, binary: str, nodes: list[Node], maxmemory: int | None,
+                 tls: TlsFiles | None = None) -> None:
         self.workdir = workdir
         self.binary = binary
         self.nodes = nodes
         self.maxmemory = maxmemory
+        self.tls = tls
 
     # -- building it ------------------------------------------------------------------
     @classmethod
     def start(cls, workdir: str | os.PathLike, masters: int = 3, replicas: int = 0, maxmemory: int | None = None, *,
-              binary: str | None = None, timeout: float = 60.0) -> LocalRedisCluster:
+              binary: str | None = None, timeout: float = 60.0, tls: TlsFiles | None = None) -> LocalRedisCluster:
         """`masters` nodes sharing the 16,384 slots evenly, each with `replicas` replicas (per
         master, as redis-cli's --cluster-replicas); `maxmemory` bytes per node (allkeys-lru)
         if given. Raises ServiceError, with the node's log tail, when a node cannot start or the
@@ -113,8 +132,8 @@ class LocalRedisCluster:
         for i in range(count):
             directory = workdir / f"node-{ports[2 * i]}"
             directory.mkdir(parents=True, exist_ok=True)
-            nodes.append(Node(i, ports[2 * i], ports[2 * i + 1], directory))
-        cluster = cls(workdir, binary, nodes, maxmemory)
+            nodes.append(Node(i, ports[2 * i], ports[2 * i + 1], directory, tls))
+        cluster = cls(workdir, binary, nodes, maxmemory, tls)
         try:
             for node in nodes:
                 cluster._launch(node)
@@ -128,7 +147,13 @@ class LocalRedisCluster:
         return cluster
 
     def _launch(self, node: Node) -> None:
-        argv = [self.binary, "--port", str(node.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+        if self.tls is None:
+            listen = ["--port", str(node.port)]
+        else:
+            listen = ["--port", "0", "--tls-port", str(node.port), "--tls-cert-file", str(self.tls.cert),
+                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                      "--tls-auth-clients", "no", "--tls-cluster", "yes", "--tls-replication", "yes"]
+        argv = [self.binary, *listen, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                 "--cluster-port", str(node.bus_port), "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no",
                 "--dir", str(node.dir), "--daemonize", "no",
@@ -164,11 +189,13 @@ class LocalRedisCluster:
     @property
     def url(self) -> str:
         """Every node's address, as the cluster tier takes it: "redis://127.0.0.1:p1,127.0.0.1:p2,..."."""
-        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def client(self, **kwargs) -> RedisCluster:
         """A redis-py cluster client on the live nodes (close it when done)."""
-        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes if n.alive], **kwargs)
+        options = {**(self.tls.client_options() if self.tls else {}), **kwargs}
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes if n.alive], **options)
 
     def masters(self) -> list[Node]:
         """Live nodes that are masters now."""

@@ -292,3 +292,32 @@ def test_prefetch_brings_cluster_pages_into_host(nodes):
     assert b.prefetch(keys + other) == 8  # what the cluster holds, not what it does not
     wait_until(lambda: b.lookup(keys).tiers == (Tier.HOST,) * 8, what="the prefetched pages in B's host")
     assert read_checked(b, keys, data) == 8
+
+
+def test_a_tls_cluster(daemons, tmp_path):
+    """rediss:// with the CA that signed the nodes' certificates: pages cross nodes over TLS."""
+    from kvtier_bench.peers.redis import redis_server_binary
+    from kvtier_bench.redis_cluster import SETUP_HINT, LocalRedisCluster, TlsFiles
+    from pki import make_pki
+
+    if redis_server_binary() is None:
+        pytest.skip(f"no redis-server or valkey-server on this machine: {SETUP_HINT}")
+    pki = make_pki(tmp_path)
+    cluster = LocalRedisCluster.start(tmp_path / "tls-cluster", masters=3,
+                                      tls=TlsFiles(pki.server_cert, pki.server_key, pki.ca))
+    clients = []
+    try:
+        assert cluster.url.startswith("rediss://")
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            d = daemons("--cluster", cluster.url, "--cluster-tls-ca", str(pki.ca), path=tmp_path / name)
+            clients.append(KVTierClient(d.target))
+            clients[-1].register("tenant", LAYOUT)
+        a, b = clients
+        keys, data = committed_on(a, b, seed=1100)
+        assert read_checked(b, keys, data) == 6
+        assert cluster_row(b, b.pool.pool_id).io_errors == 0
+    finally:
+        for client in clients:
+            client.close()
+        cluster.stop()
