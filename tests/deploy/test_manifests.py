@@ -62,7 +62,7 @@ DAEMON_OVERHEAD = parse_size("1GiB")  # memory beyond the host arenas: at least 
 ENGINE_STOP_S = 30  # what the grace period leaves the engine before the daemon's turn
 GPU_TOTAL = parse_size("80GiB")  # the GPU the examples are sized for (H100 80 GB)
 CUDA_CONTEXT = parse_size("1.5GiB")
-NON_ROOT_UID = 1000
+NON_ROOT_UID = 10001  # the images' kvtier user
 SHARED_GID = 2000
 
 
