@@ -25,7 +25,8 @@ from kvtier.server.explain import Explainer
 from kvtier.server.handoff import Handoff, handoff_path
 from kvtier.server.lane import Lane, lane_path
 from kvtier.server.ops import HotOps
-from kvtier.server.metrics import Metrics
+from kvtier.server.metrics import Metrics, MetricsServer
+from kvtier.server.notify import Notifier
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
 from kvtier.server.sessions import SessionManager
@@ -83,7 +84,8 @@ class HealthService(health.HealthServicer):
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(kvtier.__version__)
+        self.notifier = Notifier()
         ev = config.events
         try:
             self.events = EventPublisher(ev.endpoint, topic=ev.topic, layout=ev.format) if ev.endpoint else None
@@ -100,7 +102,8 @@ class Daemon:
         self.drain = DrainGate(self.pools.open_leases)
         auth = Authorizer.from_config(config.auth)
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
-        self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants)
+        self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants,
+                                       on_end=self.metrics.session_ended)
         self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions)
         ops = HotOps(self.sessions, self.drain)
         self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics) if config.listen.lane else None
@@ -116,13 +119,15 @@ class Daemon:
         for name in self.health.services:  # HealthServicer starts as SERVING; we are not, until start() ends
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server: grpc.Server | None = None
-        self._metrics_server = None
+        self._metrics_server: MetricsServer | None = None
 
     # -- life cycle -----------------------------------------------------------
     def start(self) -> None:
         cfg = self.config
         listen = cfg.listen
         guard = wire_guard(cfg)
+        if cfg.metrics.port:  # first: /healthz answers (and /readyz says 503) while the rest starts
+            self._metrics_server = self.metrics.serve(cfg.metrics.host, cfg.metrics.port, ready=self.serving)
         if cfg.tiers.device_size and cfg.auth.mode is AuthMode.TOKENS:
             log.warning("the device tier is one arena per layout, shared by every namespace: a client of any namespace "
                         "can read its pages (docs/security.md)")
@@ -159,10 +164,9 @@ class Daemon:
         if self.lane is not None:
             self.lane.start()
         self.sessions.start()
-        if cfg.metrics.port:
-            self._metrics_server, _ = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         for name in self.health.services:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.notifier.ready()  # systemd (Type=notify): units ordered After= this one start now
         log.info(
             "serving",
             extra={"socket": listen.socket, "lane": self.lane.path if self.lane is not None else None,
@@ -171,9 +175,22 @@ class Daemon:
                    "metrics_port": cfg.metrics.port or None, "pid": os.getpid()},
         )
 
+    def serving(self) -> bool:
+        """Whether gRPC health says SERVING (what /readyz answers)."""
+        reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def reload(self) -> None:
         """SIGHUP: re-read the tokens file; new tokens apply to the next call, new quotas to
-        every pool. A file that does not parse changes nothing."""
+        every pool. A file that does not parse changes nothing. Sessions, leases and pages
+        are untouched (a session whose token the new file drops is refused from its next call)."""
+        self.notifier.reloading()
+        try:
+            self._reload()
+        finally:
+            self.notifier.ready()
+
+    def _reload(self) -> None:
         try:
             table = self.service.auth.reload()
         except ConfigError as exc:
@@ -193,11 +210,12 @@ class Daemon:
         self.drain.close()
         for name in self.health.services:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.notifier.stopping()
         timeout = self.config.sessions.drain_timeout
         log.info("draining", extra={"leases": self.pools.open_leases(), "timeout_s": timeout})
         if not self.drain.wait_idle(timeout):
             log.warning("drain timed out; releasing the remaining leases", extra={"leases": self.pools.open_leases()})
-        self.sessions.close_all("daemon shutdown")
+        self.sessions.close_all("shutdown")
         if self.events is not None:
             self.events.end_watches()  # WatchEvents streams end now: the server need not wait for them
         if self._server is not None:
@@ -214,7 +232,7 @@ class Daemon:
         if self.events is not None:
             self.events.close()  # after the pools: their last disk writes are told
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.stop()
         try:
             os.unlink(self.config.listen.socket)
         except FileNotFoundError:

@@ -4,10 +4,22 @@ Names: `kvtier_` prefix, base units, `_total` counters (docs/metrics.md lists th
 """
 from __future__ import annotations
 
+import logging
+import platform
+import socket
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
+import google.protobuf
+import grpc
 from kvtier_client.tiers import Tier
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector, ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.core import StoreUsage
@@ -15,6 +27,8 @@ from kvtier.events import EventStats
 from kvtier.mechanism.cluster import ClusterStats, FaultKind
 from kvtier.mechanism.io import IOStats, LoadKind
 from kvtier.server.pools import Pool
+
+log = logging.getLogger(__name__)
 
 # (pool, its stats) for each pool.
 Snapshot = Callable[[], list[tuple[Pool, StoreUsage]]]
@@ -233,8 +247,31 @@ class Metrics:
     """The daemon's registry: disk load and RPC latency as they happen, and (once `watch` is
     called) the store, namespace, disk and bandwidth collectors read at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: str = "") -> None:
+        # No `<name>_created` series: one per counter and histogram child, doubling the series
+        # for a timestamp nobody queries (process-wide; the daemon owns its process).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_*: RSS, open fds, CPU seconds, start time
+        PlatformCollector(registry=self.registry)  # python_info
+        GCCollector(registry=self.registry)  # python_gc_*
+        self.build_info = Gauge(
+            "kvtier_build_info", "Always 1: the versions of kvtier and of what it runs on, as labels.",
+            ["version", "python", "grpc", "protobuf"], registry=self.registry,
+        )
+        self.build_info.labels(version, platform.python_version(), grpc.__version__, google.protobuf.__version__).set(1)
+        self.sessions_ended = Counter(
+            "kvtier_sessions_ended", "Sessions ended, by reason: closed (CloseSession), timeout (missed heartbeats), "
+            "shutdown (the daemon stopped).", ["reason"], registry=self.registry,
+        )
+        for reason in SESSION_END_REASONS:
+            self.sessions_ended.labels(reason)
+        self.register_rejected = Counter(
+            "kvtier_register_rejected", "Register calls refused, by reason (docs/metrics.md).", ["reason"],
+            registry=self.registry,
+        )
+        for reason in REGISTER_REJECT_REASONS.values():
+            self.register_rejected.labels(reason)
         self.load_duration = Histogram(
             "kvtier_disk_load_duration_seconds",
             "Time from queueing a disk page load to the page being in host memory, by kind (acquire, prefetch) and result.",
@@ -285,7 +322,101 @@ class Metrics:
         """The pools' cluster tier observer."""
         self.cluster_duration.labels(op).observe(seconds)
 
-    def serve(self, host: str, port: int):
-        """Start the /metrics HTTP endpoint; returns (server, thread) for shutdown."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def session_ended(self, reason: str) -> None:
+        """The session manager's observer."""
+        self.sessions_ended.labels(reason).inc()
+
+    def register_refused(self, code: str) -> None:
+        """A Register call refused with this gRPC status code name."""
+        self.register_rejected.labels(REGISTER_REJECT_REASONS.get(code, "other")).inc()
+
+    def serve(self, host: str, port: int, ready: Callable[[], bool]) -> "MetricsServer":
+        """Serve /metrics, /healthz and /readyz (`ready()`: whether the daemon serves now)
+        on a thread; returns the server, whose `stop()` ends it."""
+        server = MetricsServer(host, port, self.registry, ready)
+        server.start()
+        return server
+
+
+#: kvtier_sessions_ended_total's reasons (sessions.SessionManager passes them).
+SESSION_END_REASONS = ("closed", "timeout", "shutdown")
+#: kvtier_register_rejected_total's reason for each status code Register refuses with.
+REGISTER_REJECT_REASONS = {
+    "UNAUTHENTICATED": "unauthenticated",  # no token, or one the tokens file does not hold
+    "PERMISSION_DENIED": "permission_denied",  # the token does not grant the namespace
+    "INVALID_ARGUMENT": "invalid_argument",  # a malformed namespace, layout or hash algorithm
+    "FAILED_PRECONDITION": "failed_precondition",  # key hashing mismatch, or a layout the disk tier cannot take
+    "RESOURCE_EXHAUSTED": "resource_exhausted",  # max_pools reached, or no device memory for a new pool
+    "UNAVAILABLE": "draining",  # the daemon is shutting down
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "_HTTPServer"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def _answer(self, body: bool) -> None:
+        path = urlsplit(self.path).path
+        content_type = "text/plain; charset=utf-8"
+        if path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            try:
+                status, payload = 200, encoder(self.server.registry)
+            except Exception:  # a collector failed: say so rather than drop the connection
+                log.exception("metrics scrape failed")
+                status, payload, content_type = 500, b"scrape failed; the daemon log has the details\n", "text/plain"
+        elif path == "/healthz":
+            status, payload = 200, b"ok\n"
+        elif path == "/readyz":
+            ready = self.server.ready()
+            status, payload = (200, b"ready\n") if ready else (503, b"not ready: starting or draining\n")
+        else:
+            status, payload = 404, b"not found: /metrics, /healthz, /readyz\n"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if body:
+            self.wfile.write(payload)
+
+    def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: not worth a log line
+        pass
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client never holds the daemon's exit
+
+    def __init__(self, address, family: int, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
+        self.address_family = family
+        self.registry = registry
+        self.ready = ready
+        super().__init__(address, _Handler)
+
+
+class MetricsServer:
+    """The metrics port: `/metrics` (Prometheus exposition), `/healthz` (200 while the
+    process answers HTTP: liveness), `/readyz` (200 while the daemon's gRPC health is SERVING,
+    503 while it starts or drains: readiness); any other path 404. A threaded http.server
+    (prometheus_client's own server answers the metrics on every path)."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
+        family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        self._server = _HTTPServer(address[:2], family, registry, ready)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtier-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
 

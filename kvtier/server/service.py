@@ -160,6 +160,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        try:
+            return self._register(request, context)
+        except KVTierError as exc:  # counted by reason (kvtier_register_rejected_total), then answered as ever
+            self.metrics.register_refused(exc.code)
+            raise
+
+    def _register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         self.drain.check_open()
         check_namespace(request.namespace)
         self.auth.authorize(request.namespace, context.invocation_metadata())  # before anything else is checked or revealed

@@ -68,10 +68,14 @@ class SessionManager:
 
     def __init__(
         self, timeout: float, on_release: Callable[[], None], grants: Callable[[str | None, str], bool] = lambda t, n: True,
+        on_end: Callable[[str], None] = lambda reason: None,
     ) -> None:
         """`grants(token, namespace)`: whether the current tokens file still lets `token`
-        use `namespace` (checked on every call, so a token removed by a reload stops at once)."""
+        use `namespace` (checked on every call, so a token removed by a reload stops at once).
+        `on_end(reason)`: told of every session that ends, with why: `closed` (its client
+        closed it), `timeout` (missed heartbeats), `shutdown` (the daemon stops)."""
         self.timeout = timeout
+        self._on_end = on_end
         self._grants = grants
         # Called after leases were released here rather than by a Release or Commit call
         # (a session ended, or a lease outlived its session): the drain gate listens.
@@ -170,6 +174,7 @@ class SessionManager:
             raise NotFound("unknown session: it already ended; register again")
         released = session.pool.store.end_session(session.session_id)
         log.info("session ended", extra={"session": short_session(session_id), "reason": reason, "released_leases": released})
+        self._on_end(reason)
         self._on_release()
         return released
 
@@ -213,6 +218,6 @@ class SessionManager:
                 expired = [s.session_id for s in self._sessions.values() if now - s.last_seen > self.timeout]
             for session_id in expired:
                 try:
-                    self.close(session_id, reason="heartbeat timeout")
+                    self.close(session_id, reason="timeout")  # missed heartbeats
                 except NotFound:
                     pass  # closed by its client meanwhile

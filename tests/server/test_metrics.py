@@ -48,9 +48,10 @@ def test_metrics_after_traffic(daemons, connect):
     assert 0 < value(families, "kvtier_rpc_duration_seconds_sum", method="Lookup", code="OK") < 5
     assert "kvtier_hits_total{" in text and "kvtier_misses_total{" in text  # as exposed, not only as parsed
 
-    # Conventions: kvtier_ prefix, counters end in _total, base units in the name.
+    # Conventions: kvtier_ prefix (process_ and python_: prometheus_client's standard
+    # process and platform collectors), counters end in _total, base units in the name.
     for family in families.values():
-        assert family.name.startswith("kvtier_"), family.name
+        assert family.name.startswith(("kvtier_", "process_", "python_")), family.name
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
         if family.type == "histogram":
