@@ -1,6 +1,7 @@
 """Operator commands that talk to a running daemon: `kvtier stats` (and `kvtier stats why`) and `kvtier health-check`."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -15,6 +16,13 @@ from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, block_keys
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.results import BlockExplanation, BlockReason, Explanation, hashing
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.measure import Measurement
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 from kvtier.server.config import default_socket
 
@@ -48,12 +56,79 @@ def _channel(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: str
 
 
 def _connection_options(f):
-    f = click.option("--tls-key", help="PEM key of --tls-cert.")(f)
-    f = click.option("--tls-cert", help="PEM client certificate, for a daemon that requires mutual TLS.")(f)
-    f = click.option("--tls-ca", help="PEM CA to verify a TCP daemon's certificate.")(f)
-    f = click.option("--target", help="gRPC target instead of the socket, e.g. host:7070 or unix:///path.")(f)
-    f = click.option("--socket", help="Daemon socket. Default: $KVTIER_SOCKET or $XDG_RUNTIME_DIR/kvtier/kvtier.sock.")(f)
+    f = click.option("--tls-key", metavar="PATH", help="PEM key of --tls-cert.")(f)
+    f = click.option("--tls-cert", metavar="PATH", help="PEM client certificate, for a daemon that requires mutual TLS.")(f)
+    f = click.option("--tls-ca", metavar="PATH", help="PEM CA to verify a TCP daemon's certificate.")(f)
+    f = click.option("--target", metavar="URL",
+                     help="gRPC target instead of the socket: HOST:PORT, dns:///HOST:PORT or unix:///PATH.")(f)
+    f = click.option("--socket", metavar="PATH", envvar="KVTIER_SOCKET",
+                     help="Daemon socket.  [env var: KVTIER_SOCKET; default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock]")(f)
     return f
+
+
+# -- output: rich on a terminal, plain aligned text in a pipe ----------------------------
+#: Width of plain output: wide enough that no table wraps (lines carry no padding to it).
+_PLAIN_WIDTH = 100_000
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr). rich decides whether it is a terminal (also
+    forced with FORCE_COLOR or TTY_COMPATIBLE=1, refused with TTY_COMPATIBLE=0)."""
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def plain_text(renderable: RenderableType) -> str:
+    """`renderable` as text without control codes or trailing blanks, never wrapped: what a
+    pipe, a file or a test reads."""
+    out = io.StringIO()
+    Console(file=out, width=_PLAIN_WIDTH, color_system=None, force_terminal=False, highlight=False,
+            soft_wrap=False, emoji=False, markup=False).print(renderable)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+
+
+def emit(renderable: RenderableType) -> None:
+    """Print `renderable`: with rich's colours and boxes on a terminal, as `plain_text` otherwise."""
+    out = console()
+    if out.is_terminal:
+        out.print(renderable)
+    else:
+        click.echo(plain_text(renderable))
+
+
+def table(columns: list[str], rows: list[tuple[str, ...]], *, left: int = 1, text_last: bool = False,
+          header: bool = True, plain: bool = True, title: str | None = None) -> RenderableType:
+    """Rows under `columns`: figures right-aligned, the first `left` columns (and the last,
+    with `text_last`) left-aligned. `plain`: no box, two spaces between columns, indented
+    two spaces (one table row per line, split() gives the cells); else a box for a terminal."""
+    last = len(columns) - 1
+    t = Table(show_header=header, title=None if plain else title, title_justify="left", expand=False,
+              box=None if plain else box.SIMPLE_HEAD, pad_edge=True, padding=(0, 1), collapse_padding=not plain,
+              header_style="" if plain else "bold cyan")
+    for i, name in enumerate(columns):
+        # On a narrow terminal a header wraps between its words ("hit" over "rate"); cells stay whole.
+        widest = max([len(row[i]) for row in rows] + [len(word) for word in name.split()], default=0)
+        t.add_column(name, justify="left" if i < left or (text_last and i == last) else "right", no_wrap=plain,
+                     min_width=None if plain else widest, style="bold" if i == 0 and not plain else "")
+    for row in rows:
+        t.add_row(*(Text(cell) for cell in row))  # as written: a namespace's "[...]" is no markup
+    if plain:
+        return Padding(t, (0, 0, 0, 1), expand=False)
+    return _Fit(t, table(columns, rows, left=left, text_last=text_last, header=header, plain=True))
+
+
+class _Fit:
+    """A boxed table where the console is wide enough for it, else its plain lines (which the
+    terminal wraps): a cell or a column is never cut off."""
+
+    def __init__(self, boxed: Table, plain: RenderableType) -> None:
+        self.boxed, self.plain = boxed, plain
+
+    def __rich_console__(self, console: Console, options):
+        unbounded = options.update(max_width=_PLAIN_WIDTH)
+        if Measurement.get(console, unbounded, self.boxed).minimum <= options.max_width:
+            yield self.boxed
+        else:
+            yield Text(plain_text(self.plain), no_wrap=False)
 
 
 def _human_bytes(n: float) -> str:
@@ -67,18 +142,6 @@ def _human_bytes(n: float) -> str:
 _TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk", pb.TIER_CLUSTER: "cluster"}
 
 
-def _table(rows: list[tuple[str, ...]], left: int = 1, text_last: bool = False) -> list[str]:
-    """Rows as aligned lines: figures right-aligned, the first `left` columns (and the last,
-    with `text_last`) left-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    last = len(widths) - 1
-
-    def cell(i: int, text: str) -> str:
-        return text.ljust(widths[i]) if i < left or (text_last and i == last) else text.rjust(widths[i])
-
-    return [("  " + "  ".join(cell(i, c) for i, c in enumerate(r))).rstrip() for r in rows]
-
-
 _MISS_REASONS = (("never_stored", "never stored"), ("evicted", "evicted"), ("corrupt", "corrupt"),
                  ("beyond_prefix", "beyond prefix"))
 
@@ -89,10 +152,13 @@ def _misses(ns: pb.NamespaceStats) -> str:
     return ", ".join(f"{n} {label}" for n, label in counts if n) or "-"
 
 
+_NAMESPACE_COLUMNS = ["namespace", "tier", "pages", "max", "guaranteed", "hits", "evicted", "looked up",
+                      "missed by reason"]
+
+
 def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
     """One row per namespace and tier; the namespace's lookups and misses on its first row."""
-    rows: list[tuple[str, ...]] = [("namespace", "tier", "pages", "max", "guaranteed", "hits", "evicted", "looked up",
-                                    "missed by reason")]
+    rows: list[tuple[str, ...]] = []
     for ns in pool.namespaces:
         for i, t in enumerate(ns.tiers):
             tail = (str(ns.lookup_blocks), _misses(ns)) if i == 0 else ("", "")
@@ -103,39 +169,53 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
     return rows
 
 
-def render_stats(reply: pb.StatsResponse) -> str:
-    lines = [
-        f"kvtier {reply.version} · up {reply.uptime_seconds:.0f}s · {reply.sessions} sessions · {reply.leases} leases"
-    ]
+_TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
+                 "demoted", "moved in", "corrupt", "io errors", "read/s"]
+
+
+def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
+    rows = []
+    for t in pool.tiers:
+        used = t.capacity_pages - t.free_pages
+        hit_rate = t.hits / pool.lookup_blocks if pool.lookup_blocks else 0.0
+        rows.append((
+            _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
+            str(t.cached_pages), str(t.loading_pages), str(t.held_pages), f"{hit_rate:.3f}", str(t.evictions),
+            str(t.promotions), str(t.demotions), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
+            _human_bytes(int(t.read_bytes_per_second)),
+        ))
+    return rows
+
+
+def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
+    """The stats as one renderable: a headline, then per pool a line about its layout, its
+    tiers' table and its namespaces' table."""
+    strong = "" if plain else "bold"
+    parts: list[RenderableType] = [Text(
+        f"kvtier {reply.version} · up {reply.uptime_seconds:.0f}s · {reply.sessions} sessions · {reply.leases} leases",
+        style=strong)]
     if not reply.pools:
-        lines.append("no pools yet: a pool is created when the first client registers a layout")
+        parts.append(Text("no pools yet: a pool is created when the first client registers a layout"))
     for pool in reply.pools:
         lay = pool.layout
-        lines.append(
+        parts.append(Text(
             f"pool {pool.pool_id}: {lay.layers} layers x {lay.kv_heads} kv heads x {lay.head_dim} dim, "
             f"{lay.block_tokens} tokens/page, {lay.dtype}, page {_human_bytes(pool.page_bytes)}; "
-            f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed"
-        )
-        header = ("tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
-                  "demoted", "moved in", "corrupt", "io errors", "read/s")
-        rows = [header]
-        for t in pool.tiers:
-            used = t.capacity_pages - t.free_pages
-            hit_rate = t.hits / pool.lookup_blocks if pool.lookup_blocks else 0.0
-            rows.append((
-                _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
-                str(t.cached_pages), str(t.loading_pages), str(t.held_pages), f"{hit_rate:.3f}", str(t.evictions),
-                str(t.promotions), str(t.demotions), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
-                _human_bytes(int(t.read_bytes_per_second)),
-            ))
-        lines += _table(rows)
+            f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed", style="" if plain else "green"))
+        parts.append(table(_TIER_COLUMNS, _tier_rows(pool), plain=plain))
         if pool.namespaces:
-            lines += _table(_namespace_rows(pool), left=2, text_last=True)
-    return "\n".join(lines)
+            parts.append(table(_NAMESPACE_COLUMNS, _namespace_rows(pool), left=2, text_last=True, plain=plain))
+    return Group(*parts)
+
+
+def render_stats(reply: pb.StatsResponse) -> str:
+    """The stats as plain text (what `kvtier stats` prints into a pipe)."""
+    return plain_text(stats_view(reply, plain=True))
 
 
 def _token_option(f):
-    return click.option("--token", envvar="KVTIER_TOKEN", help="Bearer token, when the daemon requires one.")(f)
+    return click.option("--token", envvar="KVTIER_TOKEN", show_envvar=True, metavar="TOKEN",
+                        help="Bearer token, when the daemon requires one.")(f)
 
 
 def _metadata(token: str | None) -> list[tuple[str, str]] | None:
@@ -156,38 +236,81 @@ def _ask(call, request, address: str, metadata):
 _SHARED = ("socket", "target", "tls_ca", "tls_cert", "tls_key", "token", "as_json")
 
 
-@click.group("stats", invoke_without_command=True)
+def _json(reply: pb.StatsResponse) -> str:
+    return json.dumps(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+
+
+def _watch_footer(every: float, shown: int, count: int | None) -> Text:
+    left = f" ({count - shown} more)" if count else ""
+    return Text(f"{time.strftime('%H:%M:%S')} · every {every:g}s{left} · Ctrl-C stops", style="dim")
+
+
+@click.group("stats", invoke_without_command=True, short_help="Tiers, hit rates, sessions and namespaces of a daemon.",
+             epilog="""\b
+Examples:
+  kvtier stats --socket /tmp/kvtier/kvtier.sock
+  kvtier stats --watch 2                  # a live view; plain snapshots into a pipe
+  kvtier stats --json | jq .pools
+  kvtier stats why --namespace my-model/tenant-a 64cfe407263f52ded92a449797f627db""")
 @_connection_options
 @_token_option
-@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
-@click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON (one object per line with --watch).")
+@click.option("--watch", type=click.FloatRange(min=0.05), default=None, metavar="SECONDS",
+              help="Refresh every SECONDS until interrupted: a live view on a terminal, one plain snapshot after "
+                   "another (blank line between) in a pipe.")
+@click.option("--count", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --watch: stop after N snapshots.  [default: until interrupted]")
 @click.pass_context
 def stats(ctx: click.Context, socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None,
-          tls_key: str | None, token: str | None, as_json: bool, watch: float | None) -> None:
+          tls_key: str | None, token: str | None, as_json: bool, watch: float | None, count: int | None) -> None:
     """Show per-tier capacity, use, hit rates and movement, plus sessions and leases, and each
     namespace's share (only the namespaces your token grants). `kvtier stats why` explains misses.
 
     Used = capacity - free; leased = borrowed (writing) + pinned by read leases; of the cached
     pages, loading ones are on their way in and held ones were loaded ahead of use."""
     if ctx.invoked_subcommand is not None:
-        if watch:
+        if watch or count:
             raise click.UsageError(f"--watch refreshes the stats table; it does not apply to `{ctx.invoked_subcommand}`")
         given = {name: value for name, value in ctx.params.items() if name in _SHARED and value}
         ctx.default_map = {ctx.invoked_subcommand: given}
         return
+    if count and not watch:
+        raise click.UsageError("--count goes with --watch")
     address = _target(socket, target)
     channel = _channel(address, tls_ca, tls_cert, tls_key)
     stub = kvtier_pb2_grpc.KVTierStub(channel)
+
+    def fetch() -> pb.StatsResponse:
+        return _ask(stub.Stats, pb.StatsRequest(), address, _metadata(token))
+
     try:
-        while True:
-            reply = _ask(stub.Stats, pb.StatsRequest(), address, _metadata(token))
+        if not watch:
+            reply = fetch()
             if as_json:
-                click.echo(json.dumps(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+                click.echo(_json(reply))
             else:
-                if watch:
-                    click.echo("\x1b[2J\x1b[H", nl=False)
-                click.echo(render_stats(reply))
-            if not watch:
+                emit(stats_view(reply, plain=not console().is_terminal))
+            return
+        out = console()
+        if out.is_terminal and not as_json:
+            with Live(console=out, auto_refresh=False, transient=False) as live:
+                shown = 0
+                while True:
+                    shown += 1
+                    live.update(Group(stats_view(fetch(), plain=False), _watch_footer(watch, shown, count)),
+                                refresh=True)
+                    if count and shown >= count:
+                        return
+                    time.sleep(watch)
+        shown = 0
+        while True:
+            reply = fetch()
+            if as_json:
+                click.echo(_json(reply))
+            else:
+                click.echo(("\n" if shown else "") + render_stats(reply))
+            shown += 1
+            if count and shown >= count:
                 return
             time.sleep(watch)
     except KeyboardInterrupt:
@@ -283,20 +406,29 @@ def _summary(why: Why) -> str:
     return f"{len(kinds)} blocks: " + (", ".join(counts) or "none asked")
 
 
-def render_why(why: Why) -> str:
+def why_view(why: Why, plain: bool = True) -> RenderableType:
+    """The explanation: a headline, one row per block (index, key, state), a summary line
+    and, when they matter, the hashings the namespace's clients registered with."""
     ex = why.explanation
     pool = next((b.pool_id for b in ex.blocks if b.reason is not BlockReason.OTHER_LAYOUT and b.pool_id), None)
-    lines = [f"namespace {why.namespace}" + (f", pool {pool}" if pool else "")
-             + f": {ex.hit_blocks} of {len(why.keys)} blocks served (the longest cached prefix)"]
+    parts: list[RenderableType] = [Text(
+        f"namespace {why.namespace}" + (f", pool {pool}" if pool else "")
+        + f": {ex.hit_blocks} of {len(why.keys)} blocks served (the longest cached prefix)", style="" if plain else "bold")]
     rows = [(str(b.index), why.keys[b.index].hex()[:12], _describe(b, why.other_algorithm.get(b.index)))
             for b in ex.blocks]
     if rows:
-        lines += _table(rows, left=0, text_last=True)
-    lines.append(_summary(why))
+        parts.append(table(["block", "key", "state"], rows, left=0, text_last=True, header=not plain, plain=plain))
+    parts.append(Text(_summary(why)))
     if ex.hashings and (why.asked is None or list(ex.hashings) != [why.asked]):
         asked = f"; you asked for {why.asked}" if why.asked else ""
-        lines.append(f"clients of {why.namespace} registered with: {', '.join(ex.hashings)}{asked}")
-    return "\n".join(lines)
+        parts.append(Text(f"clients of {why.namespace} registered with: {', '.join(ex.hashings)}{asked}",
+                          style="" if plain else "yellow"))
+    return Group(*parts)
+
+
+def render_why(why: Why) -> str:
+    """The explanation as plain text (what `kvtier stats why` prints into a pipe)."""
+    return plain_text(why_view(why, plain=True))
 
 
 def why_json(why: Why) -> dict:
@@ -326,18 +458,23 @@ def _under_other_algorithms(explain, ex: Explanation, token_ids: list[int], bloc
     return found
 
 
-@stats.command("why")
+@stats.command("why", short_help="Why a prompt's blocks are (not) cached, block by block.",
+               epilog="""\b
+Examples:
+  kvtier stats why --namespace my-model/tenant-a 64cfe407263f52ded92a449797f627db
+  kvtier stats why --namespace my-model/tenant-a --tokens 1,2,3,4 --block-tokens 16
+  kvtier stats why --namespace my-model/tenant-a --tokens-file prompt.txt --json""")
 @click.argument("keys", nargs=-1, metavar="[KEY]...")
 @_connection_options
 @_token_option
-@click.option("--namespace", required=True, help="The namespace the prompt was cached in (the token must grant it).")
-@click.option("--pool", "pool_id", default="",
+@click.option("--namespace", required=True, metavar="NAME", help="The namespace the prompt was cached in (the token must grant it).")
+@click.option("--pool", "pool_id", default="", metavar="ID",
               help="Pool (layout) id, as `kvtier stats` lists them. Default: the pool serving the longest prefix.")
 @click.option("--tokens", "token_list", metavar="ID,ID,...", help="The prompt's token ids, instead of KEYs.")
-@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False),
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), metavar="PATH",
               help="A file of the prompt's token ids separated by whitespace, instead of KEYs.")
-@click.option("--salt", default="", help="With --tokens: the client's cache salt, as text.")
-@click.option("--block-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--salt", default="", metavar="SALT", help="With --tokens: the client's cache salt, as text.  [default: none]")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --tokens: tokens per block. Default: the block size of --pool, or of the only pool.")
 @click.option("--algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT_ALGORITHM, show_default=True,
               help="With --tokens: the block-key hash the client uses.")
@@ -376,12 +513,20 @@ def why(keys: tuple[str, ...], socket: str | None, target: str | None, tls_ca: s
             result = Why(namespace, block_list, ex, hashing(algorithm, block_tokens), others)
     finally:
         channel.close()
-    click.echo(json.dumps(why_json(result)) if as_json else render_why(result))
+    if as_json:
+        click.echo(json.dumps(why_json(result)))
+    else:
+        emit(why_view(result, plain=not console().is_terminal))
 
 
-@click.command("health-check")
+@click.command("health-check", short_help="Exit 0 only if the daemon reports SERVING.",
+               epilog="""\b
+Examples:
+  kvtier health-check --socket /tmp/kvtier/kvtier.sock && echo up
+  kvtier health-check --target kvtier.internal:7070 --tls-ca ca.pem --timeout 1""")
 @_connection_options
-@click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for an answer.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True, metavar="SECONDS",
+              help="Seconds to wait for an answer.")
 def health_check(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
                  timeout: float) -> None:
     """Exit 0 only if the daemon reports SERVING (for probes and scripts)."""

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import time
+from importlib import metadata
 
 import click
 from kvtier_client.errors import KVTierError, Unavailable
@@ -12,15 +14,90 @@ from kvtier_client.events import EventStream, KVEvent
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
-from kvtier.admin import _channel, _connection_options, _metadata, _target, _token_option, health_check, stats
+from kvtier.admin import (
+    _channel,
+    _connection_options,
+    _metadata,
+    _target,
+    _token_option,
+    console,
+    emit,
+    health_check,
+    stats,
+    table,
+)
 from kvtier.demo import demo
 from kvtier.policy import PolicyName
 from kvtier.replay.mooncake import read_trace, replay
 from kvtier.server.cli import serve
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvtier")
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cuda_versions() -> list[tuple[str, str]]:
+    """CuPy's version and the CUDA runtime and driver it sees; CuPy is imported only here,
+    and nothing about it (absent, broken, no GPU) is an error."""
+    try:
+        import cupy  # noqa: PLC0415 - lazily: only --version asks, and most hosts have no GPU
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a CuPy that cannot load its CUDA libraries
+        reason = "not installed" if isinstance(exc, ModuleNotFoundError) else f"does not load ({type(exc).__name__})"
+        return [("CuPy", reason), ("CUDA", "not available")]
+    rows = [("CuPy", getattr(cupy, "__version__", "?"))]
+    try:
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        cuda = f"runtime {runtime // 1000}.{runtime % 1000 // 10}"
+        try:
+            driver = cupy.cuda.runtime.driverGetVersion()
+            cuda += f", driver {driver // 1000}.{driver % 1000 // 10}"
+            cuda += f", {cupy.cuda.runtime.getDeviceCount()} GPU(s)"
+        except Exception:  # noqa: BLE001 - no driver or no device: the runtime version still says something
+            cuda += ", no GPU"
+    except Exception as exc:  # noqa: BLE001
+        cuda = f"not available ({type(exc).__name__})"
+    rows.append(("CUDA", cuda))
+    return rows
+
+
+def version_rows() -> list[tuple[str, str]]:
+    """(component, version) for `kvtier --version`."""
+    return [
+        ("kvtier", _version("kvtier")),
+        ("kvtier-client", _version("kvtier-client")),
+        ("grpcio", _version("grpcio")),
+        ("protobuf", _version("protobuf")),
+        ("Python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"),
+        *_cuda_versions(),
+    ]
+
+
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    rows = version_rows()
+    if console().is_terminal:
+        emit(table(["component", "version"], rows, left=2, header=False, plain=False))
+    else:
+        width = max(len(name) for name, _ in rows)
+        click.echo("\n".join(f"{name:<{width}}  {version}" for name, version in rows))
+    ctx.exit()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="""\b
+Examples:
+  kvtier serve --host-size 8GiB --disk-size 100GiB --cache-dir /var/cache/kvtier
+  kvtier stats --watch 2
+  kvtier COMMAND --help                   # each command's options and examples
+Shell completion (bash; zsh and fish likewise, docs/cli.md):
+  eval "$(_KVTIER_COMPLETE=bash_source kvtier)"
+""")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the versions of kvtier, its client, grpcio, protobuf, Python and CUDA/CuPy, and exit.")
 def main() -> None:
     """kvtier: a KV-cache tiering sidecar for LLM inference."""
 
@@ -28,14 +105,26 @@ def main() -> None:
 main.add_command(serve)
 main.add_command(stats)
 main.add_command(health_check)
+# demo's own module says what it does; the listing's one line and the example are the CLI's.
+demo.short_help = demo.short_help or "Start a throwaway daemon and walk one prompt through the cache."
+demo.epilog = demo.epilog or "\b\nExample:\n  kvtier demo --host-size 16MiB --disk-size 64MiB"
+for _param in demo.params:  # its sizes are sizes
+    if _param.name in ("host_size", "disk_size"):
+        _param.metavar = "SIZE"
 main.add_command(demo)
 
 
-@main.command("replay")
-@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
-@click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, help="Host tier capacity in pages (512-token blocks).")
-@click.option("--disk-pages", type=click.IntRange(min=0), default=0, show_default=True, help="Disk tier capacity in pages; 0 for no disk tier.")
-@click.option("--device-pages", type=click.IntRange(min=0), default=0, show_default=True,
+@main.command("replay", short_help="Hit rates of a Mooncake trace through the cache's policies.",
+              epilog="""\b
+Examples:
+  kvtier replay mooncake_trace.jsonl --host-pages 5859 --disk-pages 58590 --policy prefix
+  kvtier replay mooncake_trace.jsonl --json""")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False), metavar="TRACE")
+@click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, metavar="PAGES",
+              help="Host tier capacity in pages (512-token blocks).")
+@click.option("--disk-pages", type=click.IntRange(min=0), default=0, show_default=True, metavar="PAGES",
+              help="Disk tier capacity in pages; 0 for no disk tier.")
+@click.option("--device-pages", type=click.IntRange(min=0), default=0, show_default=True, metavar="PAGES",
               help="Device (GPU) tier capacity in pages; 0 for none. Cached blocks are then acquired into it.")
 @click.option("--policy", type=click.Choice([p.value for p in PolicyName]), default=PolicyName.LRU.value, show_default=True,
               help="Eviction policy of every tier.")
@@ -52,11 +141,17 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
     if as_json:
         click.echo(json.dumps(data))
         return
-    click.echo(f"trace          {os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks")
-    click.echo(f"tiers          device {device_pages}, host {host_pages}, disk {disk_pages} pages, policy {policy}")
-    click.echo(f"block hit rate {data['block_hit_rate']:.4f}")
-    for tier, rate in data["tier_hit_rates"].items():
-        click.echo(f"  from {tier:<8} {rate:.4f}")
+    rows = [
+        ("trace", f"{os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks"),
+        ("tiers", f"device {device_pages}, host {host_pages}, disk {disk_pages} pages, policy {policy}"),
+        ("block hit rate", f"{data['block_hit_rate']:.4f}"),
+        *((f"  from {tier}", f"{rate:.4f}") for tier, rate in data["tier_hit_rates"].items()),
+    ]
+    if console().is_terminal:
+        emit(table(["", ""], rows, left=2, header=False, plain=False, title="replay"))
+    else:  # label, one space, value: "block hit rate 0.2000" (scripts grep these lines)
+        width = max(len(label) for label, _ in rows)
+        click.echo("\n".join(f"{label:<{width}} {value}" for label, value in rows))
 
 
 def event_json(event: KVEvent) -> dict:
@@ -81,10 +176,14 @@ def event_line(event: KVEvent) -> str:
     return line
 
 
-@main.command("events")
+@main.command("events", short_help="Follow the daemon's KV events (blocks stored, removed).",
+              epilog="""\b
+Examples:
+  kvtier events --socket /tmp/kvtier/kvtier.sock
+  kvtier events --namespace my-model/tenant-a --json | jq .kind""")
 @_connection_options
 @_token_option
-@click.option("--namespace", "namespaces", multiple=True,
+@click.option("--namespace", "namespaces", multiple=True, metavar="NAME",
               help="Only this namespace (repeatable). Default: every namespace the token grants.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event (keys in hex).")
 def events_command(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None,
@@ -120,7 +219,10 @@ class _LazyBench(click.Command):
     and are imported only when this command runs or shows its help, never by `kvtier serve`."""
 
     def __init__(self) -> None:
-        super().__init__("bench", short_help="Benchmarks (the kvtier-bench distribution).")
+        super().__init__("bench", short_help="Benchmarks (the kvtier-bench distribution).",
+                         help="Benchmarks of kvtier's tiers against the raw operations they are built on "
+                              "(`kvtier bench --help` lists them; needs kvtier-bench: pip install -e ./benchmarks).",
+                         epilog="\b\nExamples:\n  kvtier bench tiers --quick\n  kvtier bench all --quick")
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:

@@ -351,6 +351,9 @@ def run_all(
         def section_progress(message: str, _name: str = name) -> None:
             progress(f"{_name}: {message}" if not message.startswith(f"{_name}:") else message)
 
+        if hasattr(progress, "bar"):  # the sections' bars (progress_bar) on the run's terminal
+            section_progress.bar = progress.bar  # type: ignore[attr-defined]
+
         try:
             data, markdown, obj = RUNNERS[name](settings, quick, section_progress)
         except Exception as exc:  # noqa: BLE001 - a failing section is recorded and the rest still runs

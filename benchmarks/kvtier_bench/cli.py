@@ -99,7 +99,7 @@ def bench() -> None:
     """Benchmarks of kvtier's tiers against the raw operations they are built on."""
 
 
-@bench.command("tiers")
+@bench.command("tiers", short_help="Host and disk tiers vs np.copyto and raw O_DIRECT.")
 @_page_bench_options()
 @click.option("--daemon", "through_daemon", is_flag=True,
               help="Also measure host put/get through a `kvtier serve` subprocess and the client's shared-memory "
@@ -127,7 +127,7 @@ def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str
         click.echo(format_table(result))
 
 
-@bench.command("rpc")
+@bench.command("rpc", short_help="The hot calls over the fast lane and gRPC vs raw echoes.")
 @click.option("--iterations", type=click.IntRange(min=10), default=1000, show_default=True,
               help="Timed calls per call and transport (and for each half of the interference figure).")
 @click.option("--keys", "keys_per_call", type=click.IntRange(min=1, max=1024), default=64, show_default=True,
@@ -161,7 +161,7 @@ def rpc_command(iterations: int, keys_per_call: int, processes: tuple[int, ...],
     click.echo(json.dumps(result) if as_json else render_all(result))
 
 
-@bench.command("disk")
+@bench.command("disk", short_help="Disk tier bandwidth and prefix loads vs raw O_DIRECT.")
 @_page_bench_options(f", at least one {disk_bench.PREFIX_TOKENS:,}-token prefix")
 @click.option("--io-depth", type=click.IntRange(min=1), default=disk_bench.DEFAULT_IO_DEPTH, show_default=True,
               help="Disk reads and writes in flight: the pool's io_depth and the baseline's thread count.")
@@ -189,7 +189,7 @@ def disk_command(pages: int | None, page_sizes: tuple[int, ...], io_depth: int, 
     click.echo(json.dumps(result.as_dict()) if as_json else disk_bench.format_table(result))
 
 
-@bench.command("peers")
+@bench.command("peers", short_help="kvtier vs Redis, Mooncake Store, LMCache and a gRPC store.")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help="Pages per page size and measurement, the same for every system  [default: 256 MiB worth and "
                    "at least 256 pages; 64 MiB and at least 128 with --quick]")
@@ -221,7 +221,7 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
     click.echo(json.dumps(result.as_dict()) if as_json else peers_bench.format_table(result))
 
 
-@bench.command("trace")
+@bench.command("trace", short_help="Hit rate vs capacity on the Mooncake trace, per policy.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=str(trace_bench.DEFAULT_TRACE),
               show_default=True, help="A Mooncake-format trace (JSON lines with hash_ids).")
 @click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
@@ -242,7 +242,7 @@ def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str |
     click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_table(result))
 
 
-@bench.command("cluster")
+@bench.command("cluster", short_help="The cluster tier vs redis-py, and a two-node trace replay.")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help=f"Pages per page size and measurement  [default: {format_size(cluster_bench.DEFAULT_BYTES)} worth, "
                    f"{format_size(cluster_bench.QUICK_BYTES)} with --quick, at least {cluster_bench.MIN_PAGES}]")
@@ -293,7 +293,7 @@ def cluster_command(pages: int | None, page_sizes: tuple[int, ...], reps: int | 
     click.echo(json.dumps(result.as_dict()) if as_json else cluster_bench.format_table(result))
 
 
-@bench.command("all")
+@bench.command("all", short_help="Every benchmark in one run, with results and plots.")
 @click.option("--quick", is_flag=True, help="Every section smaller: under 10 minutes on 2 cores.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="Output directory  [default: benchmarks/results/<YYYY-MM-DD>]")

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier_bench.harness import bench_dir
+from kvtier_bench.harness import bench_dir, progress_bar
 
 NAMESPACE = "bench"
 DEFAULT_PROCESSES = (1, 2, 4, 8)
@@ -232,15 +232,17 @@ def run_clients_bench(processes: Sequence[int] = DEFAULT_PROCESSES, *, seconds: 
         daemon, target = kvtier_daemon(root / "daemon", host_bytes=64 << 20, name="kvtier-clients")
         progress(f"clients: starting {processes[-1]} worker processes")
         workers = _start_workers(processes[-1], target, keys_per_call, transports, root)
-        for transport in transports:
-            for n in processes:
-                progress(f"clients: {n} process{'es' if n > 1 else ''} over {transport}, {seconds:g} s")
-                for w in workers[:n]:
-                    w.send(f"run {transport} {warmup} {seconds}")
-                answers = [w.receive(60 + warmup + seconds) for w in workers[:n]]
-                if any(a["transport"] != transport for a in answers):
-                    raise RuntimeError(f"a worker ran over {[a['transport'] for a in answers]}, not {transport}")
-                rounds.append(Round(transport, n, sum(a["pairs"] for a in answers), seconds, keys_per_call))
+        with progress_bar(progress, "clients rounds", len(transports) * len(processes)) as advance:
+            for transport in transports:
+                for n in processes:
+                    progress(f"clients: {n} process{'es' if n > 1 else ''} over {transport}, {seconds:g} s")
+                    for w in workers[:n]:
+                        w.send(f"run {transport} {warmup} {seconds}")
+                    answers = [w.receive(60 + warmup + seconds) for w in workers[:n]]
+                    if any(a["transport"] != transport for a in answers):
+                        raise RuntimeError(f"a worker ran over {[a['transport'] for a in answers]}, not {transport}")
+                    rounds.append(Round(transport, n, sum(a["pairs"] for a in answers), seconds, keys_per_call))
+                    advance()
     finally:
         for w in workers:
             w.stop()

@@ -43,6 +43,7 @@ from kvtier_bench.harness import (
     layout_for,
     machine_description,
     median_rate,
+    progress_bar,
     timed,
     utc_now,
     verify,
@@ -332,13 +333,16 @@ def replay(requests: Sequence[list[int]], workdir: Path, *, cluster_url: str | N
             kv = KVTierClient(d.target)
             clients.append(kv)
             kv.register(NAMESPACE, TRACE_LAYOUT)
-        for r, ids in enumerate(requests):
-            node = r % NODES
-            lost += _serve(clients[node], ids, stats[node])
-            if (r + 1) % 1000 == 0:
-                so_far = sum(s.hits for s in stats) / sum(s.blocks for s in stats)
-                progress(f"cluster: trace, {'with' if cluster_url else 'without'} the cluster: {r + 1:,} of "
-                         f"{len(requests):,} requests, hit rate so far {so_far:.4f}")
+        bar = f"cluster trace, {'with' if cluster_url else 'without'} the cluster"
+        with progress_bar(progress, bar, len(requests)) as advance:
+            for r, ids in enumerate(requests):
+                node = r % NODES
+                lost += _serve(clients[node], ids, stats[node])
+                advance()
+                if (r + 1) % 1000 == 0:
+                    so_far = sum(s.hits for s in stats) / sum(s.blocks for s in stats)
+                    progress(f"cluster: trace, {'with' if cluster_url else 'without'} the cluster: {r + 1:,} of "
+                             f"{len(requests):,} requests, hit rate so far {so_far:.4f}")
         if cluster_url:
             for kv, node in zip(clients, stats):
                 row = kv.stats().pool(kv.pool.pool_id).tier(Tier.CLUSTER)

@@ -56,6 +56,7 @@ from kvtier_bench.harness import (
     layout_for,
     machine_info,
     median_pair,
+    progress_bar,
     timed,
     utc_now,
 )
@@ -481,18 +482,20 @@ def run_disk(
             ring = max(1, min(info.pages, ENGINE_RING_BYTES // info.page_bytes))
             engine = rng.integers(0, 256, size=(ring, info.page_bytes), dtype=np.uint8)
             seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in BANDWIDTH_OPS + PREFIX_OPS}
-            for rep in range(reps):
-                progress(f"{format_size(info.page_bytes)}: repetition {rep + 1} of {reps}")
-                workdir = os.path.join(root, f"{info.page_bytes}-{rep}")
-                os.makedirs(workdir)
-                bench = _Rep(info.layout, info.pages, info.prefix_pages, workdir, engine, io_depth, fsync)
-                try:
-                    direct = direct and bench.direct_io
-                    for op, pairs in bench.run(tier_first=rep % 2 == 1).items():
-                        seconds[op] += pairs
-                finally:
-                    bench.close()
-                    shutil.rmtree(workdir)
+            with progress_bar(progress, f"disk {format_size(info.page_bytes)}", reps) as advance:
+                for rep in range(reps):
+                    progress(f"{format_size(info.page_bytes)}: repetition {rep + 1} of {reps}")
+                    workdir = os.path.join(root, f"{info.page_bytes}-{rep}")
+                    os.makedirs(workdir)
+                    bench = _Rep(info.layout, info.pages, info.prefix_pages, workdir, engine, io_depth, fsync)
+                    try:
+                        direct = direct and bench.direct_io
+                        for op, pairs in bench.run(tier_first=rep % 2 == 1).items():
+                            seconds[op] += pairs
+                    finally:
+                        bench.close()
+                        shutil.rmtree(workdir)
+                    advance()
             for op in BANDWIDTH_OPS + PREFIX_OPS:
                 n = info.prefix_pages if op in PREFIX_OPS else info.pages
                 (prefix if op in PREFIX_OPS else bandwidth).append(median_pair(n, info.page_bytes, op, seconds[op]))

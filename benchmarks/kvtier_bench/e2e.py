@@ -44,7 +44,15 @@ from dataclasses import asdict, dataclass, field
 
 import click
 
-from kvtier_bench.harness import bench_dir, filesystem_of, format_size, machine_info, utc_now
+from kvtier_bench.harness import (
+    bench_dir,
+    filesystem_of,
+    format_size,
+    machine_info,
+    progress_bar,
+    progress_lines,
+    utc_now,
+)
 from kvtier_bench.internals import ChildDaemon, open_direct
 
 DEFAULT_LENGTHS = (2048, 4096, 8192)
@@ -352,9 +360,11 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
                 if isinstance(planner, Planner):
                     planner.bandwidth()
                 generator = torch.Generator().manual_seed(seed)
-                for n in lengths:
-                    ids = torch.randint(0, spec.vocab_size, (1, n), generator=generator)
-                    rows.append(_one_length(n, ids, net, cache, kv, daemon, reps, progress))
+                # Per length: `reps` full prefills, one warm-up restore, `reps` from host and from disk.
+                with progress_bar(progress, "e2e prefills and restores", len(lengths) * (3 * reps + 1)) as advance:
+                    for n in lengths:
+                        ids = torch.randint(0, spec.vocab_size, (1, n), generator=generator)
+                        rows.append(_one_length(n, ids, net, cache, kv, daemon, reps, progress, advance))
         finally:
             daemon.stop(STOP_TIMEOUT)
     finally:
@@ -373,7 +383,8 @@ def _run(spec: ModelSpec, lengths: tuple[int, ...], reps: int, directory: str | 
 
 
 def _one_length(
-    n: int, ids, net, cache, kv, daemon: ChildDaemon, reps: int, progress: Callable[[str], None]
+    n: int, ids, net, cache, kv, daemon: ChildDaemon, reps: int, progress: Callable[[str], None],
+    advance: Callable[[], None] = lambda: None,
 ) -> LengthResult:
     """Full prefill, store, then host and disk restores of one prompt (`cache`: the HFPrefixCache)."""
     from kvtier_client import Tier
@@ -393,6 +404,7 @@ def _one_length(
         last_cache = dc
         full_runs.append(dict(ttft=ttft, load=0.0, prefill=ttft, tokens=0, cached=0, host=0, disk=0, promoted=0,
                               diff=(logits - reference).abs().max().item(), plan="-"))
+        advance()
     full = _path_result(full_runs)
     cache.planner.observe_prefill(n, full.ttft_seconds)  # what an engine reports after its prefills
     stored = cache.store(ids, last_cache)
@@ -417,10 +429,12 @@ def _one_length(
     # One untimed restore first (see the module docstring).
     progress(f"{n:,} tokens: warm-up restore")
     restored_run(Tier.HOST)
+    advance()
     host_runs = []
     for rep in range(reps):
         progress(f"{n:,} tokens: restore from host {rep + 1}/{reps}")
         host_runs.append(restored_run(Tier.HOST))
+        advance()
     disk_runs = []
     for rep in range(reps):
         progress(f"{n:,} tokens: restore from disk {rep + 1}/{reps}")
@@ -429,6 +443,7 @@ def _one_length(
         time.sleep(DISK_SETTLE_S)  # pages demoted a while ago, not a read racing their writes
         _drop_page_cache(daemon.cache_dir)
         disk_runs.append(restored_run(Tier.DISK))
+        advance()
     return LengthResult(n, full, _path_result(host_runs), _path_result(disk_runs), stored.stored_blocks, stored.seconds)
 
 
@@ -512,7 +527,7 @@ def _e2e(quick: bool, lengths: tuple[int, ...], directory: str | None, reps: int
     float32): full prefill vs the prompt's KV restored through a real daemon from the host
     tier and from the disk tier, with the logits of each restore checked against the full
     prefill. Prints TTFT per path and the speed-up full / restored."""
-    progress = (lambda message: None) if as_json else (lambda message: click.echo(f"... {message}", err=True))
+    progress = progress_lines(as_json)
     try:
         result = run_e2e(lengths=lengths or None, quick=quick, progress=progress, reps=reps, threads=threads,
                          keep_heap=not glibc_heap,
@@ -522,4 +537,4 @@ def _e2e(quick: bool, lengths: tuple[int, ...], directory: str | None, reps: int
     click.echo(json.dumps(result.as_dict()) if as_json else format_table(result))
 
 
-command = click.command("e2e")(_e2e)
+command = click.command("e2e", short_help="Time to first token: full prefill vs KV restored from host, disk.")(_e2e)

@@ -5,6 +5,7 @@ Nothing here measures; the benchmark modules do, each next to its baseline in th
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -13,12 +14,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import click
 import numpy as np
 from kvtier_client.layout import PageLayout
 
@@ -256,19 +256,83 @@ def utc_now() -> str:
 
 
 # -- progress and result files ------------------------------------------------------------
-def progress_lines(quiet: bool) -> Callable[[str], None]:
-    """One benchmark's progress lines on stderr ("... message"), silent when `quiet` (JSON output)."""
-    return (lambda message: None) if quiet else (lambda message: click.echo(f"... {message}", err=True))
+class ProgressLines:
+    """What a benchmark says while it runs, on stderr: one line per message ("... message"),
+    and, for a loop over repetitions, replays or requests, a rich progress bar with the time
+    left (`bar`) when stderr is a terminal. Into a pipe or a file there are only the plain
+    lines: no bar, no control codes. Silent when `quiet` (JSON output)."""
+
+    def __init__(self, quiet: bool = False, line: Callable[[str], str] = lambda message: f"... {message}") -> None:
+        self.quiet = quiet
+        self._line = line
+        self._bars = None  # the rich Progress while a bar is shown
+        self._console = None
+
+    def __call__(self, message: str) -> None:
+        if self.quiet:
+            return
+        if self._bars is not None:  # above the bar, which stays at the bottom
+            self._bars.console.print(self._line(message), markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(self._line(message), file=sys.stderr, flush=True)
+
+    def terminal(self) -> bool:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        return not self.quiet and self._console.is_terminal
+
+    @contextlib.contextmanager
+    def bar(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
+        """A bar of `total` steps while inside; yields `advance(steps=1)`. A bar opened inside
+        another one is shown under it and removed when done."""
+        if not self.terminal() or total <= 0:
+            yield lambda steps=1: None
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        outer = self._bars is None
+        if outer:
+            self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                  console=self._console, transient=True)
+            self._bars.start()
+        bars = self._bars
+        task = bars.add_task(description, total=total)
+        try:
+            yield lambda steps=1: bars.advance(task, steps)
+        finally:
+            bars.remove_task(task)
+            if outer:
+                bars.stop()
+                self._bars = None
 
 
-def stderr_progress(t0: float | None = None) -> Callable[[str], None]:
-    """Progress lines of a long run on stderr, each with the seconds since `t0` (default: now)."""
+@contextlib.contextmanager
+def progress_bar(progress: Callable[[str], None], description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """`progress.bar(description, total)` when `progress` has bars (ProgressLines on a
+    terminal), else an `advance` that does nothing: the loop's own progress lines remain."""
+    bar = getattr(progress, "bar", None)
+    if bar is None:
+        yield lambda steps=1: None
+        return
+    with bar(description, total) as advance:
+        yield advance
+
+
+def progress_lines(quiet: bool) -> ProgressLines:
+    """One benchmark's progress on stderr ("... message" lines, bars on a terminal), silent
+    when `quiet` (JSON output)."""
+    return ProgressLines(quiet)
+
+
+def stderr_progress(t0: float | None = None) -> ProgressLines:
+    """Progress of a long run on stderr: lines with the seconds since `t0` (default: now), and
+    bars on a terminal."""
     start = time.perf_counter() if t0 is None else t0
-
-    def emit(message: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-    return emit
+    return ProgressLines(line=lambda message: f"[{time.perf_counter() - start:6.1f}s] {message}")
 
 
 def default_out(now: datetime.datetime | None = None) -> Path:

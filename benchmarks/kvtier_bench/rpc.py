@@ -48,6 +48,7 @@ from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 from kvtier_bench.echo import SeqpacketEcho, echo_stub
+from kvtier_bench.harness import progress_bar
 from kvtier_bench.services import Service, kvtier_daemon
 
 LAYOUT = PageLayout(layers=4, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")  # 32 KiB pages
@@ -280,9 +281,11 @@ def run_rpc_bench(iterations: int = 1000, keys_per_call: int = 64, *,
         with lane.borrow(keys_per_call) as w:
             w.commit(keys)
         calls = _calls(lane, slow, stub, stub_meta, echo, echo_stub(echo_channel), keys_per_call)
-        for call in calls:
-            progress(f"rpc: {call.label}: {iterations} calls per transport ({', '.join(call.run)})")
-            _measure(call, iterations)
+        with progress_bar(progress, "rpc latency", len(calls)) as advance:
+            for call in calls:
+                progress(f"rpc: {call.label}: {iterations} calls per transport ({', '.join(call.run)})")
+                _measure(call, iterations)
+                advance()
         transports = {"lane": lane.transport, "grpc": slow.transport}
     finally:
         if echo is not None:

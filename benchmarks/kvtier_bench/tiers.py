@@ -52,6 +52,7 @@ from kvtier_bench.harness import (
     layout_for,
     machine_info,
     median_pair,
+    progress_bar,
     timed,
     utc_now,
     verify,
@@ -348,15 +349,17 @@ def run_client_host(
     """Host put and get through a daemon subprocess and the client's mapping, each next to
     np.copyto into / out of the same arena pages (the client's own mapping), medians over `reps`."""
     seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in CLIENT_OPS}
-    for rep in range(reps):
-        progress(f"{page_bytes // 1024} KiB through the daemon and client: repetition {rep + 1} of {reps}")
-        workdir = root / f"client-{page_bytes}-{rep}"
-        with KvtierPages(workdir, layout, pages, batch=batch) as store:
-            store.warm()
-            put, get = _client_rep(store, store.arena(), engine, sink, rep)
-        shutil.rmtree(workdir, ignore_errors=True)
-        seconds["host put (client)"].append(put)
-        seconds["host get (client)"].append(get)
+    with progress_bar(progress, f"tiers {page_bytes // 1024} KiB via the daemon", reps) as advance:
+        for rep in range(reps):
+            progress(f"{page_bytes // 1024} KiB through the daemon and client: repetition {rep + 1} of {reps}")
+            workdir = root / f"client-{page_bytes}-{rep}"
+            with KvtierPages(workdir, layout, pages, batch=batch) as store:
+                store.warm()
+                put, get = _client_rep(store, store.arena(), engine, sink, rep)
+            shutil.rmtree(workdir, ignore_errors=True)
+            seconds["host put (client)"].append(put)
+            seconds["host get (client)"].append(get)
+            advance()
     return [median_pair(pages, page_bytes, op, seconds[op]) for op in CLIENT_OPS]
 
 
@@ -391,18 +394,20 @@ def run_tiers(
             sink = np.empty_like(engine)
             sink.fill(1)  # fault it in now: np.zeros would map it lazily
             seconds: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
-            for rep in range(reps):
-                progress(f"{format_size(size)}: repetition {rep + 1} of {reps}")
-                workdir = os.path.join(root, f"{size}-{rep}")
-                os.makedirs(workdir)
-                bench = _Rep(layout, n_pages, workdir, engine, sink)
-                try:
-                    direct = direct and bench.direct_io
-                    for op, pair in bench.run(tier_first=rep % 2 == 1).items():
-                        seconds[op].append(pair)
-                finally:
-                    bench.close()
-                    shutil.rmtree(workdir)
+            with progress_bar(progress, f"tiers {format_size(size)}", reps) as advance:
+                for rep in range(reps):
+                    progress(f"{format_size(size)}: repetition {rep + 1} of {reps}")
+                    workdir = os.path.join(root, f"{size}-{rep}")
+                    os.makedirs(workdir)
+                    bench = _Rep(layout, n_pages, workdir, engine, sink)
+                    try:
+                        direct = direct and bench.direct_io
+                        for op, pair in bench.run(tier_first=rep % 2 == 1).items():
+                            seconds[op].append(pair)
+                    finally:
+                        bench.close()
+                        shutil.rmtree(workdir)
+                    advance()
             results.extend(median_pair(n_pages, size, op, seconds[op]) for op in OPS)
             if through_daemon:
                 results.extend(run_client_host(size, layout, n_pages, engine, sink, reps=reps, root=Path(root),

@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier_bench.harness import utc_now
+from kvtier_bench.harness import progress_bar, utc_now
 from kvtier_bench.internals import TRACE_BLOCK_TOKENS, PolicyName, read_trace, replay
 
 #: Where every developer machine and CI have the trace (never copied into the repository).
@@ -222,15 +222,17 @@ def run_trace(
         if disk:
             tiers[host][name] = {"host": host_rate, "disk": disk_rate}
         done += 1
+        advance()
         progress(f"trace: {done} of {len(jobs)} replays: {name}, {host:,} host pages: {rate:.4f}")
 
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for result in pool.map(_replay_job, jobs):
-                record(result)
-    else:
-        for job in jobs:
-            record(_replay_job(job))
+    with progress_bar(progress, "trace replays", len(jobs)) as advance:
+        if workers > 1 and len(jobs) > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                for result in pool.map(_replay_job, jobs):
+                    record(result)
+        else:
+            for job in jobs:
+                record(_replay_job(job))
     order = [*(_series_name(p, False) for p in policies), *(_series_name(p, True) for p in policies if disk_factor),
              "belady"]
     points = tuple(

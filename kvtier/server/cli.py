@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from kvtier.server.config import BOOL, INT, OPTIONS, ConfigError, Option, load_config
+from kvtier.server.config import BOOL, INT, OPTIONS, PATH, ConfigError, Option, load_config
 
 
 def _flag(option: Option) -> Callable:
@@ -21,8 +21,12 @@ def _flag(option: Option) -> Callable:
         return click.option(decl, option.key, is_flag=True, default=None, help=help)
     if option.kind.choices:
         kind: click.ParamType = click.Choice(option.kind.choices)
+    elif option.kind is INT:
+        kind = click.INT
+    elif option.kind is PATH:  # a str as before, and the shell completes it as a path
+        kind = click.Path(dir_okay=option.key == "cache_dir")
     else:
-        kind = click.INT if option.kind is INT else click.STRING
+        kind = click.STRING
     return click.option(option.flag, option.key, type=kind, default=None, help=help,
                         metavar=None if option.kind.choices else option.metavar or option.kind.metavar)
 
@@ -33,9 +37,15 @@ def _config_flags(command: Callable) -> Callable:
     return command
 
 
-@click.command("serve")
+@click.command("serve", short_help="Run the daemon (tiers, gRPC, fast lane) until SIGTERM.",
+               epilog="""\b
+Examples:
+  kvtier serve --host-size 8GiB --disk-size 100GiB --cache-dir /var/cache/kvtier
+  kvtier serve --socket /tmp/kvtier/kvtier.sock --session-timeout 5s --log-format text
+  KVTIER_HOST_SIZE=2GiB kvtier serve --config /etc/kvtier/kvtier.toml
+  kvtier serve --device-size 40GiB --cluster redis://10.0.0.5:6379 --metrics-port 9400""")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="KVTIER_CONFIG", show_envvar=True,
-              help="TOML configuration file (flat keys as below, e.g. host_size = \"8GiB\").")
+              metavar="PATH", help="TOML configuration file (flat keys as below, e.g. host_size = \"8GiB\").")
 @_config_flags
 def serve(config_path: str | None, **flags) -> None:
     """Run the kvtier daemon until SIGTERM, then drain and exit.
