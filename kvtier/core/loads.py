@@ -132,7 +132,7 @@ class Loads:
             index.requests.loads_in_flight -= 1
             state = index.tiers[Tier.HOST]
             if ok:
-                block.in_cluster = not from_disk
+                block.in_cluster = block.in_cluster or not from_disk
                 index.hold(block, Tier.HOST, time.monotonic() + self.prefetch_hold)
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
@@ -146,10 +146,15 @@ class Loads:
                     index.corrupted(block)
             self.loaded.notify_all()
             forgets = self.capacity.take_forgets() if outermost else []
-        if forgets:
-            self.mover.forget(forgets)
+        self.forget(forgets)
+
+    def forget(self, records: list[PageRecord]) -> None:
+        """Delete disk index entries taken from `capacity` (the lock released): the mover
+        deletes them, then they stop counting as in flight (Capacity.forgetting)."""
+        if records:
+            self.mover.forget(records)
             with self._lock:
-                self.capacity.forgotten(forgets)
+                self.capacity.forgotten(records)
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,

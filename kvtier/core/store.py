@@ -196,18 +196,11 @@ class BlockStore:
                     if forgets or batch is not None:
                         lock.release()  # the I/O goes outside the lock; `with` takes it back to leave
                         try:
-                            self._forget(forgets)
+                            self._loads.forget(forgets)
                             if batch is not None:
                                 self._write(batch)
                         finally:
                             lock.acquire()
-
-    def _forget(self, records: list[PageRecord]) -> None:
-        """Delete disk index entries (taken from capacity under the lock) outside it."""
-        if records:
-            self._mover.forget(records)
-            with self._lock:
-                self._capacity.forgotten(records)
 
     def _write(self, batch: WriteBatch) -> bool:
         """Store a prepared batch outside the lock, then file it under the lock. False if
@@ -429,7 +422,7 @@ class BlockStore:
             if to_cluster:
                 for b in fresh:  # the host slots stay put until the cluster write is done
                     b.copies[Tier.HOST].readers += 1
-        self._forget(forgets)
+        self._loads.forget(forgets)
         if to_cluster:
             self._write_cluster(fresh)
         if batch:
@@ -738,7 +731,7 @@ class BlockStore:
         with self._lock:
             saved = self._capacity.persist(deadline)
             forgets = self._capacity.take_forgets()
-        self._forget(forgets)
+        self._loads.forget(forgets)
         return saved
 
     # -- write-back: the pool's thread drives it ------------------------------
@@ -749,7 +742,7 @@ class BlockStore:
         with self._lock:
             batch = self._writeback.next_batch(reserve, limit)
             forgets = self._capacity.take_forgets()
-        self._forget(forgets)
+        self._loads.forget(forgets)
         if batch is None:
             return 0
         if self._write(batch):
