@@ -39,16 +39,6 @@ def tail(path: Path, lines: int = 6) -> str:
     return "\n".join(text[-lines:])
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the process that started it dies, so a
-    benchmark or test run that is killed leaves no server behind (Linux prctl)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class Service:
     """One subprocess with its output in `log`; `stop` ends it (SIGTERM, then SIGKILL)."""
 
@@ -61,7 +51,7 @@ class Service:
         with open(log, "wb") as out:
             try:
                 self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+                                             start_new_session=True)
             except OSError as exc:
                 raise ServiceError(f"cannot run {self.argv[0]}: {exc}") from None
 
