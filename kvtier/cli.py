@@ -28,7 +28,7 @@ from kvtier.admin import (
 )
 from kvtier.demo import demo
 from kvtier.policy import PolicyName
-from kvtier.replay.mooncake import read_trace, replay
+from kvtier.replay.mooncake import halfway, read_timed_trace, replay
 from kvtier.server.cli import serve
 
 
@@ -117,8 +117,8 @@ main.add_command(demo)
 @main.command("replay", short_help="Hit rates of a Mooncake trace through the cache's policies.",
               epilog="""\b
 Examples:
-  kvtier replay mooncake_trace.jsonl --host-pages 5859 --disk-pages 58590 --policy prefix
-  kvtier replay mooncake_trace.jsonl --json""")
+  kvtier replay mooncake_trace.jsonl --host-pages 5859 --disk-pages 58590 --policy frecency
+  kvtier replay mooncake_trace.jsonl --second-half --json""")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False), metavar="TRACE")
 @click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, metavar="PAGES",
               help="Host tier capacity in pages (512-token blocks).")
@@ -128,13 +128,19 @@ Examples:
               help="Device (GPU) tier capacity in pages; 0 for none. Cached blocks are then acquired into it.")
 @click.option("--policy", type=click.Choice([p.value for p in PolicyName]), default=PolicyName.LRU.value, show_default=True,
               help="Eviction policy of every tier.")
+@click.option("--second-half", is_flag=True,
+              help="Count only the requests of the trace's second half by time (the first half warms the cache).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: int, policy: str, as_json: bool) -> None:
+def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: int, policy: str, second_half: bool,
+                   as_json: bool) -> None:
     """Replay a Mooncake-format TRACE through the block index and policies (no bytes moved)
-    and report the block hit rate, overall and per tier."""
+    and report the block hit rate, overall and per tier, the pages written to disk and
+    how fast the policy's own bookkeeping ran."""
     try:
-        result = replay(read_trace(trace), host_pages=host_pages, disk_pages=disk_pages, policy=PolicyName(policy),
-                        device_pages=device_pages)
+        timed = list(read_timed_trace(trace))
+        start = halfway([t for t, _ in timed]) if second_half else 0
+        result = replay([ids for _, ids in timed], host_pages=host_pages, disk_pages=disk_pages,
+                        policy=PolicyName(policy), device_pages=device_pages, measure_from=start)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     data = result.as_dict()
@@ -142,10 +148,13 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
         click.echo(json.dumps(data))
         return
     rows = [
-        ("trace", f"{os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks"),
+        ("trace", f"{os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks"
+                  + (f" (second half, from request {start})" if second_half else "")),
         ("tiers", f"device {device_pages}, host {host_pages}, disk {disk_pages} pages, policy {policy}"),
         ("block hit rate", f"{data['block_hit_rate']:.4f}"),
         *((f"  from {tier}", f"{rate:.4f}") for tier, rate in data["tier_hit_rates"].items()),
+        *((("disk writes", f"{result.disk_writes} pages, {result.disk_writes_per_hit:.2f} per disk hit"),) if disk_pages else ()),
+        ("policy speed", f"{result.policy_blocks_per_second:,.0f} blocks/s ({result.policy_seconds:.2f} s in the policies)"),
     ]
     if console().is_terminal:
         emit(table(["", ""], rows, left=2, header=False, plain=False, title="replay"))

@@ -112,7 +112,7 @@ def _restartable(method):
 class BlockStore:
     """Index, leases and sessions for one layout's host tier and optional device and disk tiers.
 
-    `policy` makes one eviction policy object per tier (a policy class will do).
+    `policy` makes one eviction policy object per tier from its page count (a policy class will do).
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
@@ -128,7 +128,7 @@ class BlockStore:
         mover: PageMover,
         disk_pages: int = 0,
         device_pages: int = 0,
-        policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        policy: Callable[[int], EvictionPolicy] = LRUPolicy,
         write_through: bool = False,
         prefetch_hold: float = 10.0,
         recovered: Iterable[PageRecord] = (),
@@ -149,12 +149,12 @@ class BlockStore:
         if self.cluster_write is ClusterWrite.DEMOTE and disk_pages <= 0:
             raise ValueError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier")
         adopted = list(recovered_host)
-        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy())]
+        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy(host_pages))]
         if device_pages > 0:
-            tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy()))
+            tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy(device_pages)))
         records = list(recovered) if disk_pages > 0 else []
         if disk_pages > 0:
-            tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy()))
+            tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy(disk_pages)))
         self._lock = threading.RLock()
         self._index = BlockIndex(tiers, host_reused=host_reused, history_size=history_size)
         if disk_pages > 0:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+from collections.abc import Callable
+
 from kvtier.policy.base import EvictionPolicy, Ref
+from kvtier.policy.frecency import FrecencyPolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.prefix import PrefixLRUPolicy
 
@@ -17,20 +20,26 @@ from kvtier.policy.prefix import PrefixLRUPolicy
 class PolicyName(str, Enum):
     LRU = "lru"
     PREFIX = "prefix"
+    FRECENCY = "frecency"
 
     def __str__(self) -> str:
         return self.value
 
 
-POLICIES: dict[PolicyName, type[EvictionPolicy]] = {PolicyName.LRU: LRUPolicy, PolicyName.PREFIX: PrefixLRUPolicy}
+#: Each makes a policy object for one tier from the tier's page count.
+POLICIES: dict[PolicyName, Callable[[int], EvictionPolicy]] = {
+    PolicyName.LRU: LRUPolicy,
+    PolicyName.PREFIX: PrefixLRUPolicy,
+    PolicyName.FRECENCY: FrecencyPolicy,
+}
 
 
-def make_policy(name: PolicyName | str) -> EvictionPolicy:
-    """A new policy object for one tier."""
+def make_policy(name: PolicyName | str, capacity: int) -> EvictionPolicy:
+    """A new policy object for one tier of `capacity` pages."""
     try:
-        return POLICIES[PolicyName(name)]()
+        return POLICIES[PolicyName(name)](capacity)
     except ValueError:
         raise ValueError(f"unknown eviction policy {name!r}; use one of {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyName", "PrefixLRUPolicy", "Ref", "make_policy"]
+__all__ = ["POLICIES", "EvictionPolicy", "FrecencyPolicy", "LRUPolicy", "PolicyName", "PrefixLRUPolicy", "Ref", "make_policy"]

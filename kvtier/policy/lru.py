@@ -10,7 +10,8 @@ from kvtier.policy.base import Ref
 class LRUPolicy:
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        # (Every policy is built from its tier's page count; recency needs none.)
         # Oldest first. An OrderedDict is a hash map threaded on a doubly linked list:
         # add, touch (move_to_end) and remove are O(1).
         self._order: OrderedDict[Ref, None] = OrderedDict()

@@ -73,7 +73,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.disk_failing = False
 
     # -- set-up and teardown --------------------------------------------------
-    @initialize(policy=st.sampled_from(["lru", "prefix"]), write_through=st.booleans(),
+    @initialize(policy=st.sampled_from(["lru", "prefix", "frecency"]), write_through=st.booleans(),
                 quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)))
     def start(self, policy, write_through, quotas):
         self.config = PoolConfig(

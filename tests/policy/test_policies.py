@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.policy import POLICIES, LRUPolicy, PrefixLRUPolicy, make_policy
+from kvtier.policy import POLICIES, FrecencyPolicy, LRUPolicy, PrefixLRUPolicy, make_policy
 
 
 def r(name: str) -> tuple[str, bytes]:
@@ -27,11 +27,12 @@ def pinned_set(*names):
 
 
 def test_make_policy():
-    assert isinstance(make_policy("lru"), LRUPolicy)
-    assert isinstance(make_policy("prefix"), PrefixLRUPolicy)
-    assert set(POLICIES) == {"lru", "prefix"}
-    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; use one of lru, prefix"):
-        make_policy("fifo")
+    assert isinstance(make_policy("lru", 8), LRUPolicy)
+    assert isinstance(make_policy("prefix", 8), PrefixLRUPolicy)
+    assert isinstance(make_policy("frecency", 8), FrecencyPolicy)
+    assert set(POLICIES) == {"lru", "prefix", "frecency"}
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; use one of lru, prefix, frecency"):
+        make_policy("fifo", 8)
 
 
 # -- LRU ----------------------------------------------------------------------
@@ -121,9 +122,9 @@ def test_prefix_heap_is_compacted_after_many_touches():
     assert len(p._leaves) <= 4 * len(p) + 1024
 
 
-@pytest.mark.parametrize("name", ["lru", "prefix"])
+@pytest.mark.parametrize("name", ["lru", "prefix", "frecency"])
 def test_victims_changes_nothing(name):
-    p = make_policy(name)
+    p = make_policy(name, 8)
     chain(p, "abcd")
     chain(p, "ef", parent="b")
     p.touch(r("a"))
@@ -197,7 +198,7 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops)
 def test_policy_matches_reference_model(name, sequence):
-    policy, model = make_policy(name), Model(name)
+    policy, model = make_policy(name, 8), Model(name)
     ref = lambda i: ("ns", bytes([i]))  # noqa: E731
     for op in sequence:
         kind, i = op[0], op[1]

@@ -86,7 +86,9 @@ def test_tiny_trace_hit_rates(tiny_trace, policy, host, disk):
     assert data["tier_hit_rates"] == pytest.approx({"host": from_host, "disk": from_disk})
     # The library call gives the same answer as the command.
     result = replay(read_trace(str(tiny_trace)), host_pages=host, disk_pages=disk, policy=policy)
-    assert result.as_dict() == data
+    timed = ("policy_seconds", "policy_blocks_per_second")  # timings differ run to run
+    assert {k: v for k, v in result.as_dict().items() if k not in timed} == {k: v for k, v in data.items() if k not in timed}
+    assert data["policy_seconds"] > 0
 
 
 def test_table_output(tiny_trace):
