@@ -221,25 +221,46 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
     click.echo(json.dumps(result.as_dict()) if as_json else peers_bench.format_table(result))
 
 
-@bench.command("trace", short_help="Hit rate vs capacity on the Mooncake trace, per policy.")
+@bench.command("trace", short_help="Hit rate vs capacity per policy, on the Mooncake trace and synthetic shapes.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=str(trace_bench.DEFAULT_TRACE),
               show_default=True, help="A Mooncake-format trace (JSON lines with hash_ids).")
+@click.option("--shape", "shape_names", type=click.Choice([*trace_bench.SHAPES, "all"]), multiple=True,
+              help="The requests: mooncake (the --trace file), mooncake-2nd-half (the same, counted on its second "
+                   "half by time, the first only warming the cache), or a synthetic shape; repeatable; all for "
+                   "every one  [default: mooncake]")
+@click.option("--policy", "policies", type=click.Choice(trace_bench.POLICIES), multiple=True,
+              help="Eviction policy; repeatable; lru is always replayed (the x lru reference)  [default: every one]")
+@click.option("--admission", "admissions", multiple=True,
+              help="Disk admission of the host+disk lines, passed to the replay; repeatable; x lru divides by "
+                   "lru's with the first one  [default: the store's]")
 @click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
-              help="Host capacity in 512-token pages; repeatable  [default: 0.5M to 20M tokens, 3 points with --quick]")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Also write a PNG plot here.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+              help="Host capacity in 512-token pages; repeatable  [default: 0.5M to 30M tokens, 3 points with --quick]")
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Size of the synthetic shapes (1: 100k to 150k blocks each).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic shapes.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Replays run at once.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write a PNG plot here (with several shapes, one per shape: trace.png -> trace-zipf.png).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables: one object per shape, one a line.")
 @click.option("--quick", is_flag=True, help="Three capacity points.")
-def trace_command(trace_path: str, capacities: tuple[int, ...], plot_path: str | None, as_json: bool, quick: bool) -> None:
-    """Block hit rate against capacity on the Mooncake trace for each policy (lru, prefix),
-    one tier and host + a 10x disk tier, through the real BlockStore, with the
-    infinite-capacity hit rate and offline Belady (one tier) for reference."""
+def trace_command(trace_path: str, shape_names: tuple[str, ...], policies: tuple[str, ...], admissions: tuple[str, ...],
+                  capacities: tuple[int, ...], scale: float, seed: int, workers: int, plot_path: str | None,
+                  as_json: bool, quick: bool) -> None:
+    """Block hit rate against capacity for each policy, one tier and host + a 10x disk
+    tier, through the real BlockStore, with its ratio to lru's, the disk writes per disk
+    hit and the policy's speed; the infinite-capacity hit rate and offline Belady (one tier
+    of the host's pages, and of host + disk) for reference."""
+    names = trace_bench.SHAPES if "all" in shape_names else shape_names or (trace_bench.MOONCAKE,)
     try:
-        result = trace_bench.run_trace(trace_path, capacities=capacities or None, quick=quick, progress=progress_lines(as_json))
+        results = trace_bench.run_shapes(names, trace=trace_path, capacities=capacities or None, quick=quick,
+                                         policies=policies or trace_bench.POLICIES, admissions=admissions, seed=seed,
+                                         scale=scale, workers=workers, progress=progress_lines(as_json))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
-    if plot_path:
-        trace_bench.plot(result, plot_path)
-    click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_table(result))
+    for result in results:
+        if plot_path:
+            trace_bench.plot(result, trace_bench.plot_path(plot_path, result.shape, len(results) > 1))
+        click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_table(result) + "\n")
 
 
 @bench.command("cluster", short_help="The cluster tier vs redis-py, and a two-node trace replay.")

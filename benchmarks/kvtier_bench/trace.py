@@ -1,39 +1,55 @@
-"""Trace benchmark: block hit rate against cache capacity on the Mooncake conversation trace.
+"""Trace benchmark: block hit rate against cache capacity, per policy, on the Mooncake
+conversation trace and on synthetic traces of known shapes (kvtier_bench.shapes).
 
-For each capacity (host pages of 512 tokens) and each policy (`lru`, `prefix`), the trace
-is replayed through a real BlockStore (kvtier.replay.mooncake.replay) with one tier, and
-with a disk tier of DISK_FACTOR times the host tier behind it (write-back). Two reference
-lines come from the trace alone:
+Shapes: `mooncake` (the real trace), `mooncake-2nd-half` (the same, the first half by time
+only warming the cache: a policy tuned on the first half is judged on the second) and the
+synthetic ones. For each shape, capacity (host pages of 512 tokens) and policy (every
+PolicyName unless told), the requests are replayed through a real BlockStore
+(kvtier.replay.mooncake.replay) with one tier, and with a disk tier of DISK_FACTOR times
+the host tier behind it (write-back; with `admissions`, once per disk admission). Three
+reference lines come from the requests alone:
 
 - infinite capacity: every block ever seen stays cached (the most any cache can hit);
-- offline farthest-next-use (Belady) with one tier of the same capacity: on a miss with a
-  full cache, evict the cached block whose next use lies farthest in the future. It knows
-  the future, it is not prefix-aware, and every missed block is inserted (demand caching,
-  no bypass), as in the trace's README.
+- offline farthest-next-use (Belady) with one tier of the host's capacity, and
+  `belady host+disk` with one tier of host + disk pages (a bound for the two tiers): it
+  knows the future, it is not prefix-aware, and every missed block is inserted (demand
+  caching, no bypass), as in the trace's README.
 
 The hit rate is the trace README's: per request, the number of leading blocks cached at
 arrival, over all blocks looked up; blocks are inserted or touched after the lookup, in
-request order. Figures are exact counts, not timings, so the replays run in parallel.
+request order. `x lru` is a series' hit rate over lru's at the same capacity and tiers.
+Figures are exact counts, not timings (but the policies' own speed), so the replays run
+in parallel.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier_bench import shapes
 from kvtier_bench.harness import progress_bar, utc_now
-from kvtier_bench.internals import TRACE_BLOCK_TOKENS, PolicyName, read_trace, replay
+from kvtier_bench.internals import TRACE_BLOCK_TOKENS, PolicyName, replay
+from kvtier.replay.mooncake import halfway, read_timed_trace
 
 #: Where every developer machine and CI have the trace (never copied into the repository).
 DEFAULT_TRACE = Path(os.environ.get("KVTIER_MOONCAKE_TRACE", "/work/shared/data/mooncake/conversation_trace.jsonl"))
 POLICIES = tuple(p.value for p in PolicyName)
+#: The reference every series is divided by in `x lru`.
+REFERENCE = PolicyName.LRU.value
+BELADY = "belady"
+MOONCAKE = "mooncake"
+MOONCAKE_2ND_HALF = "mooncake-2nd-half"
+SHAPES = (MOONCAKE, MOONCAKE_2ND_HALF, *shapes.SHAPES)
 #: The disk tier of the host+disk lines holds this many times the host tier's pages.
 DISK_FACTOR = 10
-#: Host capacities in 512-token pages: 0.5M, 1M, 2M, 3M, 5M, 10M and 20M tokens.
-CAPACITIES = (977, 1953, 3906, 5859, 9766, 19531, 39062)
+#: Host capacities in 512-token pages: 0.5M, 1M, 2M, 3M, 5M, 10M, 20M and 30M tokens.
+CAPACITIES = (977, 1953, 3906, 5859, 9766, 19531, 39062, 58594)
 QUICK_CAPACITIES = (1953, 5859, 19531)
 INFINITE = float("inf")
 
@@ -54,23 +70,33 @@ def next_uses(accesses: Sequence[int]) -> list[int]:
     return nxt
 
 
-def infinite_hits(requests: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(hit blocks, looked-up blocks) with a cache that never evicts."""
+def _cached_prefix(request: Sequence[int], cached) -> int:
+    """How many leading blocks of `request` are in `cached`: the request's hits."""
+    hits = 0
+    for block in request:
+        if block not in cached:
+            break
+        hits += 1
+    return hits
+
+
+def infinite_hits(requests: Sequence[Sequence[int]], measure_from: int = 0) -> tuple[int, int]:
+    """(hit blocks, looked-up blocks) with a cache that never evicts, counting the
+    requests from index `measure_from` on."""
     seen: set[int] = set()
     hits = blocks = 0
-    for request in requests:
-        blocks += len(request)
-        for block in request:
-            if block not in seen:
-                break
-            hits += 1
+    for i, request in enumerate(requests):
+        if i >= measure_from:
+            blocks += len(request)
+            hits += _cached_prefix(request, seen)
         seen.update(request)
     return hits, blocks
 
 
-def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> tuple[int, int]:
+def belady_hits(requests: Sequence[Sequence[int]], capacity: int, measure_from: int = 0) -> tuple[int, int]:
     """(hit blocks, looked-up blocks) for one tier of `capacity` blocks managed by offline
-    farthest-next-use eviction, every missed block inserted.
+    farthest-next-use eviction, every missed block inserted, counting the requests from
+    index `measure_from` on.
 
     Next uses are precomputed over the flattened access sequence; the cache is a dict
     block -> its next use, and a max-heap of (next use, block) entries with lazy deletion:
@@ -79,17 +105,15 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
     """
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
-    accesses = flatten(requests)
-    nxt = next_uses(accesses)
+    nxt = next_uses(flatten(requests))
     cached: dict[int, int] = {}
     heap: list[tuple[int, int]] = []  # (-next use, block)
-    hits = 0
+    hits = blocks = 0
     pos = 0
-    for request in requests:
-        for block in request:  # the lookup: leading blocks cached at arrival
-            if block not in cached:
-                break
-            hits += 1
+    for i, request in enumerate(requests):
+        if i >= measure_from:
+            blocks += len(request)
+            hits += _cached_prefix(request, cached)
         for block in request:
             use = nxt[pos]
             pos += 1
@@ -104,215 +128,410 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
         if len(heap) > 4 * capacity + 1024:  # drop stale entries now and then
             heap = [(-use, block) for block, use in cached.items()]
             heapq.heapify(heap)
-    return hits, len(accesses)
+    return hits, blocks
+
+
+# -- where the requests come from ---------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One shape's requests: the Mooncake trace at `path` (its first `limit` requests), or
+    a synthetic shape of `scale` and `seed`. Small and picklable: each replay job loads it
+    in its worker, which keeps the last ones loaded."""
+
+    shape: str
+    path: str
+    limit: int | None = None
+    seed: int = 0
+    scale: float = 1.0
+
+    @property
+    def description(self) -> str:
+        if self.shape in (MOONCAKE, MOONCAKE_2ND_HALF):
+            return self.path
+        return f"synthetic, seed {self.seed}, scale {self.scale:g}: {shapes.describe(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Requests:
+    ids: list[list[int]]
+    #: The requests before this index only warm the cache.
+    measure_from: int
+
+
+@functools.lru_cache(maxsize=2)
+def load(source: Source) -> Requests:
+    """A source's requests, the last two kept: a worker's next job is most often on the same shape."""
+    if source.shape not in (MOONCAKE, MOONCAKE_2ND_HALF):
+        return Requests([ids for _, ids in shapes.generate(source.shape, source.seed, source.scale)], 0)
+    timed = []
+    for i, request in enumerate(read_timed_trace(source.path)):
+        if source.limit is not None and i >= source.limit:
+            break
+        timed.append(request)
+    measure_from = halfway([t for t, _ in timed]) if source.shape == MOONCAKE_2ND_HALF else 0
+    return Requests([ids for _, ids in timed], measure_from)
+
+
+# -- results ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Line:
+    """One series at one capacity: a policy (or Belady) with one tier or host + disk."""
+
+    policy: str  # a PolicyName value, or BELADY
+    disk: bool
+    admission: str | None
+    rate: float
+    #: Host+disk replays only: hit rates per tier, pages written to disk, and those
+    #: writes per block served from disk (inf: written, never read).
+    host_rate: float | None = None
+    disk_rate: float | None = None
+    disk_writes: int | None = None
+    writes_per_hit: float | None = None
+    #: Replays only: blocks looked up per second of the policies' own bookkeeping.
+    policy_blocks_per_second: float | None = None
+
+    @property
+    def name(self) -> str:
+        name = f"{self.policy} host+disk" if self.disk else self.policy
+        return f"{name} ({self.admission})" if self.admission else name
 
 
 @dataclass(frozen=True)
 class Point:
-    """One capacity: hit rates of every line (None where not computed)."""
+    """One capacity: every series' line."""
 
     host_pages: int
     disk_pages: int
-    rates: dict[str, float]  # series name -> block hit rate
-    tier_rates: dict[str, dict[str, float]]  # host+disk series -> {"host": ..., "disk": ...}
+    lines: dict[str, Line]  # series name -> line
 
     @property
     def host_tokens(self) -> int:
         return self.host_pages * TRACE_BLOCK_TOKENS
 
+    @property
+    def rates(self) -> dict[str, float]:
+        return {name: line.rate for name, line in self.lines.items()}
+
+    @property
+    def tier_rates(self) -> dict[str, dict[str, float]]:
+        return {n: {"host": x.host_rate, "disk": x.disk_rate} for n, x in self.lines.items() if x.host_rate is not None}
+
+    def ratio_vs_lru(self, name: str) -> float | None:
+        """The series' hit rate over lru's with the same tiers, None without an lru line or
+        when lru hits nothing. With disk admissions, host+disk series are divided by lru's
+        with the first admission given (lines are kept in the order run_shapes asked for
+        them): the baseline, so a second admission's gain or loss shows."""
+        line = self.lines[name]
+        lru = next((x for x in self.lines.values() if x.policy == REFERENCE and x.disk == line.disk), None)
+        return line.rate / lru.rate if lru and lru.rate else None
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no infinity: None stands for it (writes never read, or no time measured)."""
+    return None if x is None or x == INFINITE else x
+
 
 @dataclass(frozen=True)
 class TraceResult:
+    """One shape's figures."""
+
     date: str
+    shape: str
     trace: str
-    requests: int
-    blocks: int
+    requests: int  # counted (after the warm-up ones)
+    warmup_requests: int
+    blocks: int  # counted
     infinite: float
     disk_factor: int
+    admissions: tuple[str, ...]
     points: tuple[Point, ...]
-    seconds: float
+    seconds: float  # the whole run's, every shape of it
 
     @property
     def series(self) -> list[str]:
         names: list[str] = []
         for p in self.points:
-            names += [n for n in p.rates if n not in names]
+            names += [n for n in p.lines if n not in names]
         return names
 
+    def lowest_ratio_vs_lru(self) -> dict[str, float]:
+        """Each series' lowest `x lru` over the capacities, lru's own left out: "never below
+        lru by more than 1%" holds where this is at least 0.99."""
+        lowest: dict[str, float] = {}
+        for p in self.points:
+            for name, line in p.lines.items():
+                ratio = p.ratio_vs_lru(name)
+                if ratio is not None and line.policy != REFERENCE:
+                    lowest[name] = min(ratio, lowest.get(name, ratio))
+        return lowest
+
     def as_dict(self) -> dict:
+        def per_series(field: Callable[[Line], float | int | None], p: Point) -> dict:
+            return {n: _finite(field(x)) for n, x in p.lines.items() if field(x) is not None}
+
         return {
             "date": self.date,
+            "shape": self.shape,
             "trace": self.trace,
             "requests": self.requests,
+            "warmup_requests": self.warmup_requests,
             "blocks": self.blocks,
             "block_tokens": TRACE_BLOCK_TOKENS,
             "infinite": self.infinite,
             "disk_factor": self.disk_factor,
+            "admissions": list(self.admissions),
             "seconds": self.seconds,
+            "lowest_ratio_vs_lru": self.lowest_ratio_vs_lru(),
             "points": [
                 {"host_pages": p.host_pages, "host_tokens": p.host_tokens, "disk_pages": p.disk_pages,
-                 "hit_rate": p.rates, "tier_hit_rate": p.tier_rates}
+                 "hit_rate": p.rates, "tier_hit_rate": p.tier_rates,
+                 "ratio_vs_lru": {n: p.ratio_vs_lru(n) for n in p.lines},
+                 "disk_writes": per_series(lambda x: x.disk_writes, p),
+                 "disk_writes_per_hit": per_series(lambda x: x.writes_per_hit, p),
+                 "policy_blocks_per_second": per_series(lambda x: x.policy_blocks_per_second, p)}
                 for p in self.points
             ],
         }
 
 
-def _series_name(policy: str, disk: bool) -> str:
-    return f"{policy} host+disk" if disk else policy
+# -- the run ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Job:
+    """One replay (or one Belady count) of one shape at one capacity."""
+
+    source: Source
+    host_pages: int
+    disk_pages: int
+    policy: str
+    admission: str | None
 
 
-def _replay_job(job: tuple[str, int | None, int, int, str]) -> tuple[int, int, str, float, float, float]:
-    path, limit, host, disk, policy = job
-    requests = _load(path, limit)
-    r = replay(requests, host_pages=host, disk_pages=disk, policy=policy)
-    d = r.as_dict()
-    return host, disk, policy, r.block_hit_rate, d["tier_hit_rates"]["host"], d["tier_hit_rates"]["disk"]
+def _run_job(job: _Job) -> tuple[_Job, Line]:
+    requests = load(job.source)
+    disk = job.disk_pages > 0
+    if job.policy == BELADY:
+        hits, blocks = belady_hits(requests.ids, job.host_pages + job.disk_pages, requests.measure_from)
+        return job, Line(BELADY, disk, None, hits / blocks if blocks else 0.0)
+    admission = {"admission": job.admission} if job.admission else {}
+    r = replay(requests.ids, host_pages=job.host_pages, disk_pages=job.disk_pages, policy=job.policy,
+               measure_from=requests.measure_from, **admission)
+    tiers = r.as_dict()["tier_hit_rates"]
+    return job, Line(job.policy, disk, job.admission, r.block_hit_rate,
+                     host_rate=tiers["host"] if disk else None, disk_rate=tiers["disk"] if disk else None,
+                     disk_writes=r.disk_writes if disk else None, writes_per_hit=r.disk_writes_per_hit if disk else None,
+                     policy_blocks_per_second=r.policy_blocks_per_second)
 
 
-def _load(path: str, limit: int | None) -> list[list[int]]:
-    requests = []
-    for i, ids in enumerate(read_trace(path)):
-        if limit is not None and i >= limit:
-            break
-        requests.append(ids)
-    return requests
+def _jobs(source: Source, capacities: Sequence[int], policies: Sequence[str], admissions: Sequence[str],
+          disk_factor: int) -> list[_Job]:
+    """Every line of one shape, in the order the table shows them."""
+    jobs = []
+    for c in capacities:
+        disk = c * disk_factor
+        jobs += [_Job(source, c, 0, p, None) for p in policies]
+        if disk_factor:
+            jobs += [_Job(source, c, disk, p, a) for a in (admissions or (None,)) for p in policies]
+        jobs.append(_Job(source, c, 0, BELADY, None))
+        if disk_factor:
+            jobs.append(_Job(source, c, disk, BELADY, None))
+    return jobs
 
 
-def run_trace(
-    trace: str | os.PathLike = DEFAULT_TRACE,
+def _sources(shape_names: Sequence[str], trace: str, limit: int | None, seed: int, scale: float) -> list[Source]:
+    unknown = [s for s in shape_names if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"unknown trace shape {unknown[0]!r}; use one of {', '.join(SHAPES)}")
+    if {MOONCAKE, MOONCAKE_2ND_HALF} & set(shape_names) and not os.path.exists(trace):
+        raise FileNotFoundError(f"{trace} is absent: the Mooncake conversation trace is needed (see shared/data/mooncake/README.md)")
+    return [Source(s, trace, limit, seed, scale) for s in dict.fromkeys(shape_names)]
+
+
+def run_shapes(
+    shape_names: Sequence[str] = (MOONCAKE,),
     *,
+    trace: str | os.PathLike = DEFAULT_TRACE,
     capacities: Sequence[int] | None = None,
     quick: bool = False,
     policies: Sequence[str] = POLICIES,
+    admissions: Sequence[str] = (),
     disk_factor: int = DISK_FACTOR,
     limit: int | None = None,
+    seed: int = 0,
+    scale: float = 1.0,
     workers: int | None = None,
     progress: Callable[[str], None] = lambda message: None,
-) -> TraceResult:
-    """Hit rate against capacity; `limit` replays only the first requests (tests)."""
-    import time
-
-    path = str(trace)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is absent: the Mooncake conversation trace is needed (see shared/data/mooncake/README.md)")
+) -> list[TraceResult]:
+    """Hit rate against capacity for each shape; every replay of every shape goes through
+    one process pool. lru is always replayed (the `x lru` reference); `admissions`, when
+    given, are passed to replay() for the host+disk lines; `limit` replays only the
+    Mooncake trace's first requests and `scale` sizes the synthetic shapes (tests)."""
+    start = time.perf_counter()
+    sources = _sources(shape_names, str(trace), limit, seed, scale)
     capacities = tuple(capacities or (QUICK_CAPACITIES if quick else CAPACITIES))
     if any(c <= 0 for c in capacities) or disk_factor < 0:
         raise ValueError("capacities must be positive and disk_factor non-negative")
-    start = time.perf_counter()
-    requests = _load(path, limit)
-    hits, blocks = infinite_hits(requests)
-    infinite = hits / blocks if blocks else 0.0
-    progress(f"trace: {len(requests):,} requests, {blocks:,} blocks, infinite-cache hit rate {infinite:.4f}")
-    rates: dict[int, dict[str, float]] = {c: {} for c in capacities}
-    tiers: dict[int, dict[str, dict[str, float]]] = {c: {} for c in capacities}
-    for c in capacities:
-        h, b = belady_hits(requests, c)
-        rates[c]["belady"] = h / b if b else 0.0
-        progress(f"trace: Belady, {c:,} pages: {rates[c]['belady']:.4f}")
-    jobs = [(path, limit, c, disk, policy) for c in capacities for disk in ((0, c * disk_factor) if disk_factor else (0,))
-            for policy in policies]
+    policies = tuple(dict.fromkeys([REFERENCE, *(PolicyName(p).value for p in policies)]))
+    counted = {source.shape: _Counted.of(load(source)) for source in sources}
+    for shape, c in counted.items():
+        progress(f"trace {shape}: {c.requests:,} requests counted ({c.warmup_requests:,} more before them only warm "
+                 f"the cache), {c.blocks:,} blocks, infinite-cache hit rate {c.infinite:.4f}")
+    jobs = [job for source in sources for job in _jobs(source, capacities, policies, admissions, disk_factor)]
+    lines: dict[tuple[str, int], dict[str, Line]] = {(s.shape, c): {} for s in sources for c in capacities}
     workers = workers or max(1, min(2, os.cpu_count() or 1))
-    done = 0
-
-    def record(result: tuple[int, int, str, float, float, float]) -> None:
-        nonlocal done
-        host, disk, policy, rate, host_rate, disk_rate = result
-        name = _series_name(policy, disk > 0)
-        rates[host][name] = rate
-        if disk:
-            tiers[host][name] = {"host": host_rate, "disk": disk_rate}
-        done += 1
-        advance()
-        progress(f"trace: {done} of {len(jobs)} replays: {name}, {host:,} host pages: {rate:.4f}")
-
     with progress_bar(progress, "trace replays", len(jobs)) as advance:
-        if workers > 1 and len(jobs) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                for result in pool.map(_replay_job, jobs):
-                    record(result)
-        else:
-            for job in jobs:
-                record(_replay_job(job))
-    order = [*(_series_name(p, False) for p in policies), *(_series_name(p, True) for p in policies if disk_factor),
-             "belady"]
-    points = tuple(
-        Point(c, c * disk_factor, {n: rates[c][n] for n in order if n in rates[c]}, tiers[c]) for c in capacities
-    )
-    return TraceResult(
-        date=utc_now(),
-        trace=path,
-        requests=len(requests),
-        blocks=blocks,
-        infinite=infinite,
-        disk_factor=disk_factor,
-        points=points,
-        seconds=time.perf_counter() - start,
-    )
+        for done, (job, line) in enumerate(_run_all(jobs, workers), 1):
+            lines[job.source.shape, job.host_pages][line.name] = line
+            advance()
+            progress(f"trace: {done} of {len(jobs)} replays: {job.source.shape}, {line.name}, "
+                     f"{job.host_pages:,} host pages: {line.rate:.4f}")
+    date, seconds = utc_now(), time.perf_counter() - start
+    return [
+        TraceResult(date=date, shape=s.shape, trace=s.description, requests=counted[s.shape].requests,
+                    warmup_requests=counted[s.shape].warmup_requests, blocks=counted[s.shape].blocks,
+                    infinite=counted[s.shape].infinite, disk_factor=disk_factor, admissions=tuple(admissions),
+                    points=tuple(Point(c, c * disk_factor, lines[s.shape, c]) for c in capacities), seconds=seconds)
+        for s in sources
+    ]
 
 
+@dataclass(frozen=True)
+class _Counted:
+    """What of a shape's requests is counted, and the infinite cache's hit rate on it."""
+
+    requests: int
+    warmup_requests: int
+    blocks: int
+    infinite: float
+
+    @classmethod
+    def of(cls, requests: Requests) -> "_Counted":
+        hits, blocks = infinite_hits(requests.ids, requests.measure_from)
+        return cls(len(requests.ids) - requests.measure_from, requests.measure_from, blocks, hits / blocks if blocks else 0.0)
+
+
+def _run_all(jobs: list[_Job], workers: int) -> Iterator[tuple[_Job, Line]]:
+    """The jobs' results in order: from a process pool, or here one after another with one worker."""
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            yield from pool.map(_run_job, jobs)
+    else:
+        yield from map(_run_job, jobs)
+
+
+def run_trace(trace: str | os.PathLike = DEFAULT_TRACE, *, shape: str = MOONCAKE, **kwargs) -> TraceResult:
+    """One shape's figures (`kvtier bench all`'s trace section); see run_shapes."""
+    return run_shapes((shape,), trace=trace, **kwargs)[0]
+
+
+# -- output -------------------------------------------------------------------------------
 def _tokens(pages: int) -> str:
     tokens = pages * TRACE_BLOCK_TOKENS
     return f"{tokens / 1e6:.1f}M"
 
 
-def format_table(result: TraceResult) -> str:
-    series = result.series
-    header = ["host pages", "tokens", *series]
-    rows = [header]
+def _number(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    return "inf" if x == INFINITE else f"{x:.{digits}f}"
+
+
+def _speed(x: float | None) -> str:
+    return "-" if x is None or x == INFINITE else f"{x / 1e6:.2f}M"
+
+
+COLUMNS = ("host pages (tokens)", "series", "hit rate", "x lru", "host", "disk", "disk writes", "writes/disk hit",
+           "policy blocks/s")
+
+
+def _rows(result: TraceResult) -> list[list[str]]:
+    """One row per capacity and series, cells as COLUMNS."""
+    rows = []
     for p in result.points:
-        rows.append([f"{p.host_pages:,}", _tokens(p.host_pages), *(f"{p.rates[s]:.4f}" if s in p.rates else "-" for s in series)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for name, x in p.lines.items():
+            rows.append([f"{p.host_pages:,} ({_tokens(p.host_pages)})", name, _number(x.rate), _number(p.ratio_vs_lru(name), 3),
+                         _number(x.host_rate), _number(x.disk_rate), "-" if x.disk_writes is None else f"{x.disk_writes:,}",
+                         _number(x.writes_per_hit, 2), _speed(x.policy_blocks_per_second)])
+    return rows
+
+
+def _about(result: TraceResult) -> list[str]:
+    warmup = (f"; the first {result.warmup_requests:,} requests (the first half by time) only warm the cache"
+              if result.warmup_requests else "")
+    lowest = ", ".join(f"{n} {r:.3f}" for n, r in result.lowest_ratio_vs_lru().items())
+    return [
+        f"{result.requests:,} requests, {result.blocks:,} blocks of {TRACE_BLOCK_TOKENS} tokens counted{warmup}.",
+        f"Infinite capacity: {result.infinite:.4f}. Lowest x lru over the capacities: {lowest or '-'}.",
+    ]
+
+
+def format_table(result: TraceResult) -> str:
+    rows = [list(COLUMNS), *_rows(result)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [
-        f"kvtier bench trace, {result.date}: {result.trace}",
-        (f"{result.requests:,} requests, {result.blocks:,} blocks of {TRACE_BLOCK_TOKENS} tokens; block hit rate "
-         f"(leading cached blocks / blocks looked up); host+disk: a disk tier of {result.disk_factor}x the host pages"),
+        f"kvtier bench trace, {result.date}: {result.shape}: {result.trace}",
+        (f"Block hit rate (leading cached blocks / blocks looked up); host+disk: a disk tier of {result.disk_factor}x "
+         "the host pages; x lru: hit rate / lru's, same capacity and tiers; belady: offline farthest-next-use, one "
+         "tier (host+disk: of both tiers' pages), not prefix-aware; policy blocks/s: blocks per second of the "
+         "policy's own bookkeeping"),
         "",
     ]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines += ["", f"infinite capacity: {result.infinite:.4f}; belady: offline farthest-next-use, one tier, not prefix-aware"]
-    return "\n".join(lines)
+    lines += ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return "\n".join([*lines, "", *_about(result)])
 
 
 def format_markdown(result: TraceResult) -> str:
-    series = result.series
-    lines = ["| host pages (tokens) | " + " | ".join(series) + " |", "|---|" + "---:|" * len(series)]
-    for p in result.points:
-        lines.append(f"| {p.host_pages:,} ({_tokens(p.host_pages)}) | "
-                     + " | ".join(f"{p.rates[s]:.4f}" if s in p.rates else "-" for s in series) + " |")
-    lines += ["", (f"Infinite capacity: {result.infinite:.4f}. Belady: offline farthest-next-use, one tier, not "
-                   f"prefix-aware. host+disk: a disk tier of {result.disk_factor}x the host pages behind it (write-back).")]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(result)]
+    lines += ["", *_about(result),
+              (f"Belady: offline farthest-next-use, one tier, not prefix-aware (host+disk: one tier of both tiers' pages). "
+               f"host+disk: a disk tier of {result.disk_factor}x the host pages behind it (write-back). x lru: hit rate "
+               "/ lru's, same capacity and tiers.")]
     return "\n".join(lines)
 
 
+def plot_path(path: str | os.PathLike, shape: str, several: bool) -> Path:
+    """Where a shape's plot goes: `path` itself for one shape; trace.png -> trace-zipf.png for several."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-{shape}{path.suffix}") if several else path
+
+
+_COLOURS = {"lru": "tab:blue", "prefix": "tab:orange"}
+_MARKERS = ("o", "s", "D", "v", "P", "X", "*", "<", ">", "h")
+
+
 def plot(result: TraceResult, path: str | os.PathLike) -> None:
-    """Hit rate against host capacity (tokens, log scale), one line per series, the infinite cache dashed."""
+    """Hit rate against host capacity (tokens, log scale), one line per series: a colour
+    and marker per policy (known ones fixed, others in turn), solid for one tier, dashed
+    for host+disk, dash-dot for a second disk admission; the infinite cache dashed grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 5))
     xs = [p.host_tokens for p in result.points]
-    colours = {"lru": "tab:blue", "prefix": "tab:orange"}
-    markers = {"lru": "o", "prefix": "s"}
+    policies = list(dict.fromkeys(line.policy for p in result.points for line in p.lines.values() if line.policy != BELADY))
+    disk_styles = dict(zip(result.admissions, ("--", "-.", (0, (3, 1, 1, 1)), (0, (5, 1)))))
     for name in result.series:
         ys = [p.rates.get(name) for p in result.points]
-        if name == "belady":
-            ax.plot(xs, ys, linestyle=":", marker="^", color="black", label="Belady (offline, one tier)")
+        line = next(p.lines[name] for p in result.points if name in p.lines)
+        if line.policy == BELADY:
+            ax.plot(xs, ys, linestyle=":", marker="^" if line.disk else "v", color="dimgrey" if line.disk else "black",
+                    label=f"Belady (offline, one tier{' of host + disk' if line.disk else ''})")
             continue
-        policy = name.split()[0]
-        ax.plot(xs, ys, color=colours.get(policy), marker=markers.get(policy, "o"), markersize=5,
-                linestyle="--" if "disk" in name else "-", label=name.replace("host+disk", f"host + {result.disk_factor}x disk"))
+        i = policies.index(line.policy)
+        ax.plot(xs, ys, color=_COLOURS.get(line.policy, f"C{(i + 2) % 10}"), marker=_MARKERS[i % len(_MARKERS)],
+                markersize=4, linestyle=disk_styles.get(line.admission, "--") if line.disk else "-", label=name.replace("host+disk", f"host + {result.disk_factor}x disk"))
     ax.axhline(result.infinite, color="grey", linestyle="--", linewidth=1, label=f"infinite ({result.infinite:.3f})")
     ax.set_xscale("log")
     ax.set_xticks(xs, [_tokens(p.host_pages) for p in result.points])
     ax.minorticks_off()
     ax.set_xlabel(f"host tier capacity, tokens (host+disk: disk = {result.disk_factor}x host)")
     ax.set_ylabel("block hit rate")
-    ax.set_title("Mooncake conversation trace: hit rate vs capacity")
+    ax.set_title(f"{result.shape}: hit rate vs capacity")
     ax.set_ylim(0, max(0.05, result.infinite * 1.15))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
