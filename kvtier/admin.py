@@ -170,7 +170,7 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
 
 
 _TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
-                 "demoted", "moved in", "corrupt", "io errors", "read/s"]
+                 "demoted", "refused", "moved in", "corrupt", "io errors", "read/s"]
 
 
 def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
@@ -181,7 +181,7 @@ def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
         rows.append((
             _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
             str(t.cached_pages), str(t.loading_pages), str(t.held_pages), f"{hit_rate:.3f}", str(t.evictions),
-            str(t.promotions), str(t.demotions), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
+            str(t.promotions), str(t.demotions), str(t.refused_pages), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
             _human_bytes(int(t.read_bytes_per_second)),
         ))
     return rows

@@ -102,6 +102,7 @@ class TierStats:
     loading_pages: int = 0  # cached, bytes still on their way
     held_pages: int = 0  # loaded ahead of use, kept for the daemon's prefetch_hold
     io_errors: int = 0  # failed reads or writes of this tier
+    refused_pages: int = 0  # disk: host pages the daemon's disk admission kept off it
 
     @property
     def idle_pages(self) -> int:
@@ -113,7 +114,7 @@ class TierStats:
         return cls(
             tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
             m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
-            m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors,
+            m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors, m.refused_pages,
         )
 
 

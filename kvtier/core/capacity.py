@@ -37,7 +37,7 @@ from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import PageMover, PageRecord
 from kvtier.core.quotas import Quota, VictimPicker
 from kvtier.core.writes import WriteBatch, WriteOut
-from kvtier.policy import Ref
+from kvtier.policy import Admission, AdmitAll, Ref
 
 #: Pages per durable step of the stop-time copy to disk: a kill during the stop keeps every
 #: batch written before it.
@@ -45,9 +45,11 @@ PERSIST_BATCH = 64
 
 
 class Capacity:
-    def __init__(self, index: BlockIndex, mover: PageMover, layout: PageLayout) -> None:
+    def __init__(self, index: BlockIndex, mover: PageMover, layout: PageLayout, admission: Admission | None = None) -> None:
         self.index = index
         self.mover = mover
+        #: Which host pages leaving host are written to disk (kvtier.policy.admission).
+        self.admission = admission or AdmitAll()
         self.page_bytes = layout.page_bytes
         #: Quotas by namespace (the store sets them); a namespace missing here has none.
         self.quotas: dict[str, Quota] = {}
@@ -127,8 +129,8 @@ class Capacity:
             raise WriteOut(None, saved)
         if Tier.DISK not in self.index.tiers:
             return
-        tried = self.restartable
-        dirty = [b for b in victims if Tier.DISK not in b.copies and b.ref not in tried]
+        tried, admit = self.restartable, self.admission.admit
+        dirty = [b for b in victims if Tier.DISK not in b.copies and b.ref not in tried and admit(b.ref)]
         if not dirty:
             return
         tried.update(b.ref for b in dirty)
@@ -207,10 +209,15 @@ class Capacity:
     def evict(self, tier: Tier, victims: list[Block], namespace: str) -> None:
         """Remove victims' copies from `tier` to make room for `namespace`. Device copies
         with no host copy and host copies with no disk copy are demoted first where the
-        next tier can take them; what it cannot take is dropped."""
+        next tier can take them (host copies only where the admission policy admits them);
+        what it cannot take is dropped."""
         tiers = self.index.tiers
-        if tier == Tier.HOST and Tier.DISK in tiers and self.restartable is None:
-            self.copy_to_disk([b for b in victims if Tier.DISK not in b.copies])
+        if tier == Tier.HOST and Tier.DISK in tiers:
+            dirty = [b for b in victims if Tier.DISK not in b.copies]
+            admitted = [b for b in dirty if self.admission.admit(b.ref)]
+            tiers[Tier.DISK].counters.refused += len(dirty) - len(admitted)
+            if self.restartable is None:
+                self.copy_to_disk(admitted)
         if tier == Tier.DEVICE:
             also_host = [b for b in victims if Tier.HOST in b.copies]
             self.index.wait_on(also_host, Tier.HOST)  # their host copies survive: not room for the others

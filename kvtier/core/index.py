@@ -93,6 +93,7 @@ class TierCounters:
     bytes_in: int = 0  # bytes copied into this tier by promotions and demotions
     corrupt_pages: int = 0  # copies dropped here because they failed its checksum
     io_errors: int = 0  # reads or writes of this tier that failed (EIO, ENOSPC...): those pages were dropped or not copied
+    refused: int = 0  # disk: host pages not written here as they left host, refused by the admission policy
 
 
 @dataclass

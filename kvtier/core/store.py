@@ -86,7 +86,7 @@ from kvtier.core.results import (
 )
 from kvtier.core.slots import SlotAllocator
 from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, WriteBack, WriteBatch, WriteOut
-from kvtier.policy import EvictionPolicy, LRUPolicy, Ref
+from kvtier.policy import Admission, EvictionPolicy, LRUPolicy, Ref, Watched
 
 T = TypeVar("T")
 
@@ -113,6 +113,8 @@ class BlockStore:
     """Index, leases and sessions for one layout's host tier and optional device and disk tiers.
 
     `policy` makes one eviction policy object per tier from its page count (a policy class will do).
+    `admission` decides which host pages leaving host are written to disk (default: all;
+    pages committed write-through and the stop-time copy are always written).
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
@@ -129,6 +131,7 @@ class BlockStore:
         disk_pages: int = 0,
         device_pages: int = 0,
         policy: Callable[[int], EvictionPolicy] = LRUPolicy,
+        admission: Admission | None = None,
         write_through: bool = False,
         prefetch_hold: float = 10.0,
         recovered: Iterable[PageRecord] = (),
@@ -149,7 +152,10 @@ class BlockStore:
         if self.cluster_write is ClusterWrite.DEMOTE and disk_pages <= 0:
             raise ValueError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier")
         adopted = list(recovered_host)
-        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), policy(host_pages))]
+        host_policy = policy(host_pages)
+        if admission is not None and disk_pages > 0:
+            host_policy = Watched(host_policy, admission)  # it learns from the host tier's events
+        tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), host_policy)]
         if device_pages > 0:
             tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy(device_pages)))
         records = list(recovered) if disk_pages > 0 else []
@@ -161,7 +167,7 @@ class BlockStore:
             self._index.recover_disk(records)
         self._index.recover_host(adopted)
         self._leases = LeaseTable()
-        self._capacity = Capacity(self._index, mover, layout)
+        self._capacity = Capacity(self._index, mover, layout, admission)
         self._loads = Loads(self._index, self._capacity, mover, layout, self._lock, prefetch_hold)
         self._writeback = WriteBack(self._index, self._capacity)
         #: Notified when write-back may have work (a commit or a borrow); `wait_write_back`.

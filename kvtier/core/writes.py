@@ -88,7 +88,7 @@ class WriteOut(Exception):
 
 class WriteBack:
     """What the write-back thread writes next: the dirty pages among the next ones the host
-    policy would evict."""
+    policy would evict that the admission policy admits (the others leave host unwritten)."""
 
     def __init__(self, index: BlockIndex, capacity: "Capacity") -> None:
         self.index = index
@@ -104,10 +104,11 @@ class WriteBack:
         dirty: list[Block] = []
         if short > 0:
             # Copies being saved count as clean already: look no further than the reserve.
+            admit = self.capacity.admission.admit
             for ref in host.policy.victims(short, self.index.protected(Tier.HOST, saves=False)):
                 block = self.index.blocks[ref]
                 copy = block.copies[Tier.HOST]
-                if Tier.DISK not in block.copies and not copy.saved:
+                if Tier.DISK not in block.copies and not copy.saved and admit(ref):
                     dirty.append(block)
                     if len(dirty) == limit:
                         break

@@ -22,7 +22,8 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore
 from kvtier.core.bookkeeping import BookkeepingMover
-from kvtier.policy import POLICIES, EvictionPolicy, PolicyName, Ref
+from kvtier.policy import POLICIES, AdmissionName, EvictionPolicy, PolicyName, Ref, make_admission
+from kvtier.policy.admission import DEFAULT_THRESHOLD
 
 TRACE_BLOCK_TOKENS = 512
 _NAMESPACE = "trace"
@@ -45,6 +46,9 @@ class ReplayResult:
     device_hit_blocks: int = 0
     #: Pages written to the disk tier (host -> disk demotions).
     disk_writes: int = 0
+    #: Host pages the admission policy kept off the disk.
+    disk_refused: int = 0
+    admission: str = AdmissionName.ALL.value
     #: Seconds spent inside the policies' methods, all tiers together.
     policy_seconds: float = 0.0
 
@@ -77,7 +81,9 @@ class ReplayResult:
                 "host": self.host_hit_blocks / self.blocks if self.blocks else 0.0,
                 "disk": self.disk_hit_blocks / self.blocks if self.blocks else 0.0,
             },
+            "admission": self.admission,
             "disk_writes": self.disk_writes,
+            "disk_refused": self.disk_refused,
             "disk_writes_per_hit": self.disk_writes_per_hit,
             "policy_seconds": self.policy_seconds,
             "policy_blocks_per_second": self.policy_blocks_per_second,
@@ -165,15 +171,17 @@ class TimedPolicy:
 
 
 def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: PolicyName | str = PolicyName.LRU,
-           device_pages: int = 0, measure_from: int = 0) -> ReplayResult:
+           device_pages: int = 0, measure_from: int = 0, admission: AdmissionName | str = AdmissionName.ALL,
+           admission_threshold: float = DEFAULT_THRESHOLD) -> ReplayResult:
     """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
     engine would), so they climb disk -> host -> device and fall back the same way.
-    Requests before `measure_from` only warm the cache: they are not counted."""
+    Requests before `measure_from` only warm the cache: they are not counted. `admission`
+    decides which host pages are written to disk as they leave host."""
     spent = [0.0]
     make = POLICIES[PolicyName(policy)]
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
                        mover=BookkeepingMover(_LAYOUT.page_bytes), policy=lambda pages: TimedPolicy(make(pages), spent),
-                       prefetch_hold=0.0)
+                       admission=make_admission(admission, host_pages, disk_pages, admission_threshold), prefetch_hold=0.0)
     read_into = Tier.DEVICE if device_pages else Tier.HOST
     n_requests = 0
     before = _Counts.of(store)
@@ -207,6 +215,8 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
         device_pages=device_pages,
         device_hit_blocks=counts.hits[Tier.DEVICE],
         disk_writes=counts.disk_writes,
+        disk_refused=counts.disk_refused,
+        admission=AdmissionName(admission).value,
         policy_seconds=spent[0],
     )
 
@@ -219,6 +229,7 @@ class _Counts:
     misses: int
     hits: dict[Tier, int]
     disk_writes: int
+    disk_refused: int
 
     @classmethod
     def of(cls, store: BlockStore) -> "_Counts":
@@ -226,8 +237,9 @@ class _Counts:
         tiers = {t: stats.tier(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
         disk = tiers[Tier.DISK]
         return cls(stats.lookup_blocks, stats.miss_blocks, {t: s.counters.hits if s else 0 for t, s in tiers.items()},
-                   disk.counters.demotions if disk else 0)
+                   disk.counters.demotions if disk else 0, disk.counters.refused if disk else 0)
 
     def minus(self, earlier: "_Counts") -> "_Counts":
         return _Counts(self.blocks - earlier.blocks, self.misses - earlier.misses,
-                       {t: n - earlier.hits[t] for t, n in self.hits.items()}, self.disk_writes - earlier.disk_writes)
+                       {t: n - earlier.hits[t] for t, n in self.hits.items()}, self.disk_writes - earlier.disk_writes,
+                       self.disk_refused - earlier.disk_refused)

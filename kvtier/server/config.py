@@ -21,7 +21,8 @@ from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.redis import ClusterAddress
 from kvtier.mechanism.disk import FsyncPolicy
-from kvtier.policy import PolicyName
+from kvtier.policy import AdmissionName, PolicyName
+from kvtier.policy.admission import DEFAULT_THRESHOLD
 from kvtier.units import parse_size
 
 try:
@@ -82,6 +83,8 @@ class TiersConfig:
     gpu: int
     cache_dir: str  # absolute; the disk tier's directory
     policy: PolicyName
+    disk_admission: AdmissionName
+    disk_admission_threshold: float
     write_through: bool
     fsync: FsyncPolicy
     fsync_interval: float
@@ -198,6 +201,16 @@ def _int(value: Any, key: str) -> int:
         raise ConfigError(f"{key}: {value!r} is not an integer") from None
 
 
+def _fraction(value: Any, key: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: {value!r} is not a number") from None
+    if not 0 <= number <= 1:
+        raise ConfigError(f"{key}: {value!r} is not between 0 and 1")
+    return number
+
+
 def _text(value: Any, key: str) -> str:
     return str(value)
 
@@ -234,6 +247,7 @@ TEXT = Kind("TEXT", _text)
 PATH = Kind("PATH", _text)
 INT = Kind("INTEGER", _int)
 BOOL = Kind("", _bool)
+FRACTION = Kind("FRACTION", _fraction)
 SIZE = Kind("SIZE", _size)
 DURATION = Kind("DURATION", parse_seconds)
 DURATION_OR_ZERO = Kind("DURATION", _seconds_or_zero)
@@ -296,7 +310,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_size", "tiers", SIZE, "8GiB", "Disk tier size per layout, e.g. 100GiB; 0 for none."),
     Option("device_size", "tiers", SIZE, "0", "GPU HBM per layout for the device tier, e.g. 40GiB; needs CUDA and CuPy; 0 = none."),
     Option("gpu", "tiers", INT, 0, "CUDA device index of the device tier.", metavar="INDEX"),
-    Option("policy", "tiers", Kind.of(PolicyName), "lru", "Eviction policy."),
+    Option("policy", "tiers", Kind.of(PolicyName), "frecency",
+           "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, or a candidate "
+           "measured against them (arc, s3fifo, tinylfu)."),
+    Option("disk_admission", "tiers", Kind.of(AdmissionName), "all", "Which host pages are written to disk as they leave "
+           "host: all, or reuse (only kinds of pages that come back often enough, see --disk-admission-threshold)."),
+    Option("disk_admission_threshold", "tiers", FRACTION, DEFAULT_THRESHOLD, "For --disk-admission reuse: the share "
+           "of pages read back for which a disk write pays (0.1: one in ten)."),
     Option("write_through", "tiers", BOOL, False, "Copy pages to disk at commit, or only when evicted (write-back).",
            off_flag="write-back"),
     Option("fsync", "tiers", Kind.of(FsyncPolicy), "batch",

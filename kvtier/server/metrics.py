@@ -70,6 +70,10 @@ class _StoreCollector:
             "kvtier_io_errors", "Failed reads or writes of a tier (EIO, ENOSPC...): those pages were dropped or not copied.",
             labels=labels,
         )
+        refused = CounterMetricFamily(
+            "kvtier_admission_refused", "Host pages not written to a tier as they left host: its admission policy refused them.",
+            labels=labels,
+        )
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, page_bytes, stats in pools:
             leases.add_metric([pool_id], stats.leases)
@@ -87,6 +91,8 @@ class _StoreCollector:
                 demotions.add_metric(lv, c.demotions)
                 corrupt.add_metric(lv, c.corrupt_pages)
                 io_errors.add_metric(lv, c.io_errors)
+                if t.tier is Tier.DISK:
+                    refused.add_metric(lv, c.refused)
                 # Promotions arrive from the next slower tier, demotions from the next faster.
                 if c.promotions:
                     moved.add_metric([pool_id, Tier(t.tier + 1).label, t.tier.label], c.promotions * page_bytes)
@@ -103,7 +109,7 @@ class _StoreCollector:
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
         yield from (capacity, capacity_bytes, pages, hits, evictions, promotions, demotions, moved, corrupt,
-                    io_errors, leases, session_gauge)
+                    io_errors, refused, leases, session_gauge)
 
 
 class _NamespaceCollector:

@@ -32,7 +32,8 @@ from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ArenaMover, ClusterParts
-from kvtier.policy import POLICIES, PolicyName
+from kvtier.policy import POLICIES, AdmissionName, PolicyName, make_admission
+from kvtier.policy.admission import DEFAULT_THRESHOLD
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
 from kvtier.server.wire_guard import cut
 
@@ -47,6 +48,8 @@ class PoolConfig:
     disk_bytes: int = 0
     disk_dir: str | None = None
     policy: PolicyName | str = PolicyName.LRU
+    disk_admission: AdmissionName | str = AdmissionName.ALL  # which host pages leaving host are written to disk
+    disk_admission_threshold: float = DEFAULT_THRESHOLD  # for disk_admission = reuse
     write_through: bool = False  # copy to disk at commit (True) or only when evicted from host (False)
     fsync: FsyncPolicy | str = FsyncPolicy.BATCH  # when page data and index reach stable storage
     fsync_interval: float = 1.0  # seconds, for fsync = interval
@@ -160,6 +163,8 @@ class Pool:
                 cluster=self.cluster is not None,
                 cluster_write=cluster.write if self.cluster is not None else ClusterWrite.OFF,
                 policy=POLICIES[PolicyName(config.policy)],
+                admission=make_admission(config.disk_admission, host_pages, disk_pages, config.disk_admission_threshold)
+                if disk_pages else None,
                 write_through=config.write_through,
                 prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),

@@ -98,6 +98,7 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
             corrupt_pages=t.counters.corrupt_pages,
             read_bytes_per_second=bandwidth[t.tier].bytes_per_second if t.tier in bandwidth else 0.0,
             loading_pages=t.loading, held_pages=t.held, io_errors=t.counters.io_errors,
+            refused_pages=t.counters.refused,
         )
         for t in stats.tiers
     ]

@@ -30,8 +30,8 @@ def test_make_policy():
     assert isinstance(make_policy("lru", 8), LRUPolicy)
     assert isinstance(make_policy("prefix", 8), PrefixLRUPolicy)
     assert isinstance(make_policy("frecency", 8), FrecencyPolicy)
-    assert set(POLICIES) == {"lru", "prefix", "frecency"}
-    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; use one of lru, prefix, frecency"):
+    assert set(POLICIES) == {"lru", "prefix", "frecency", "arc", "s3fifo", "tinylfu"}
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; use one of lru, prefix, frecency, arc"):
         make_policy("fifo", 8)
 
 
@@ -122,7 +122,7 @@ def test_prefix_heap_is_compacted_after_many_touches():
     assert len(p._leaves) <= 4 * len(p) + 1024
 
 
-@pytest.mark.parametrize("name", ["lru", "prefix", "frecency"])
+@pytest.mark.parametrize("name", ["lru", "prefix", "frecency", "arc", "s3fifo", "tinylfu"])
 def test_victims_changes_nothing(name):
     p = make_policy(name, 8)
     chain(p, "abcd")

@@ -42,7 +42,7 @@ def test_help_shows_each_flag_with_its_variable_and_default():
     for o in OPTIONS:
         entry = next((e for e in entries if e.startswith(o.flag + " ")), "")
         assert o.env in entry and f"default: {o.default_text}]" in entry, f"{o.flag}: {entry!r}"
-    assert "--host-size SIZE" in text and "--session-timeout DURATION" in text and "--policy [lru|prefix]" in text
+    assert "--host-size SIZE" in text and "--session-timeout DURATION" in text and "--policy [lru|prefix|frecency|arc|s3fifo|tinylfu]" in text
 
 
 def test_defaults_and_precedence_build_a_typed_tree(tmp_path):
@@ -58,12 +58,15 @@ def test_defaults_and_precedence_build_a_typed_tree(tmp_path):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"KVTIER_POLICY": "mru"}, "policy: unknown 'mru'; use lru or prefix"),
+    ({"KVTIER_POLICY": "mru"}, "policy: unknown 'mru'; use lru, prefix, frecency, arc, s3fifo or tinylfu"),
     ({"KVTIER_FSYNC": "True"}, "fsync: unknown 'True'; use batch, interval or never"),
     ({"KVTIER_AUTH": "ldap"}, "auth: unknown 'ldap'; use tokens or none"),
     ({"KVTIER_AUTH": "tokens"}, "auth = tokens needs tokens_file"),
     ({"KVTIER_IO_DEPTH": "0"}, "io_depth must be between 1 and 256"),
     ({"KVTIER_PREFETCH_HOLD": "soon"}, "prefetch_hold: cannot read 'soon' as a duration"),
+    ({"KVTIER_DISK_ADMISSION": "lfu"}, "disk_admission: unknown 'lfu'; use all or reuse"),
+    ({"KVTIER_DISK_ADMISSION_THRESHOLD": "2"}, "disk_admission_threshold: '2' is not between 0 and 1"),
+    ({"KVTIER_DISK_ADMISSION_THRESHOLD": "often"}, "disk_admission_threshold: 'often' is not a number"),
 ])
 def test_refusals_name_the_key(env, message):
     with pytest.raises(ConfigError, match=message):
