@@ -75,7 +75,7 @@ class AdmitAll:
 CLASSES = 3
 #: Break-even share of pages read back for a class to be written (see the module docstring).
 DEFAULT_THRESHOLD = 0.1
-#: Sampled departures per class before its rate decides.
+#: Settled sampled departures per class before its rate decides.
 MIN_SAMPLES = 64
 #: Departures remembered (sampled) at most: the sample rate is this over the disk's pages.
 SAMPLE_PAGES = 4096
@@ -84,27 +84,31 @@ SAMPLE_PAGES = 4096
 class ReuseAdmission:
     name = "reuse"
 
-    def __init__(self, host_pages: int, disk_pages: int, threshold: float = DEFAULT_THRESHOLD) -> None:
+    def __init__(self, host_pages: int, disk_pages: int, threshold: float = DEFAULT_THRESHOLD,
+                 min_samples: int = MIN_SAMPLES) -> None:
         if not 0 <= threshold <= 1:
             raise ValueError(f"the admission threshold is a share of pages read back, in [0, 1]; got {threshold}")
         self.threshold = threshold
+        self.min_samples = min_samples
         self.uses = UseCounts(4 * host_pages)
         rate = min(1.0, SAMPLE_PAGES / max(1, disk_pages))
         self._sample = int(rate * 2**32)
         #: Sampled departures a disk of `disk_pages` would still hold.
         self._window = max(1, round(disk_pages * rate))
-        self._departed: OrderedDict[int, int] = OrderedDict()  # hash(ref) -> class, oldest first
-        self._left = [0.0] * CLASSES  # sampled departures per class (decayed)
-        self._back = [0.0] * CLASSES  # of those, come back within the window
+        # hash(ref) -> (class, came back yet), oldest first
+        self._departed: OrderedDict[int, tuple[int, bool]] = OrderedDict()
+        self._left = [0.0] * CLASSES  # settled sampled departures per class (decayed)
+        self._back = [0.0] * CLASSES  # of those, came back within their window
         self._since_decay = 0
 
     def _sampled(self, ref: Ref) -> bool:
         return zlib.crc32(ref[1]) < self._sample
 
     def add(self, ref: Ref, parent: Ref | None) -> None:
-        cls = self._departed.pop(hash(ref), None)
-        if cls is not None:
-            self._back[cls] += 1
+        key = hash(ref)
+        departure = self._departed.get(key)
+        if departure is not None and not departure[1]:
+            self._departed[key] = (departure[0], True)  # back within its window
         self.uses.used(ref)
 
     def touch(self, ref: Ref) -> None:
@@ -115,11 +119,21 @@ class ReuseAdmission:
         self.uses.left(ref)
         if not self._sampled(ref):
             return
-        cls = min(uses, CLASSES) - 1
-        self._left[cls] += 1
-        self._departed[hash(ref)] = cls
+        key = hash(ref)
+        earlier = self._departed.pop(key, None)
+        if earlier is not None:  # it came back and leaves again: the earlier departure is settled
+            self._settled(*earlier)
+        self._departed[key] = (min(uses, CLASSES) - 1, False)
         if len(self._departed) > self._window:
-            self._departed.popitem(last=False)  # not back in time: a departure that stays counted
+            _, (cls, back) = self._departed.popitem(last=False)
+            self._settled(cls, back)
+
+    def _settled(self, cls: int, back: bool) -> None:
+        """A sampled departure's window passed (or it left again): count it, and whether it
+        came back within the window. Departures still in their window are not counted
+        either way: counting them early would bias the rate while traffic is new."""
+        self._left[cls] += 1
+        self._back[cls] += back
         self._since_decay += 1
         if self._since_decay >= self._window:  # follow the traffic: older windows count half
             self._since_decay = 0
@@ -129,7 +143,7 @@ class ReuseAdmission:
     def admit(self, ref: Ref) -> bool:
         cls = min(self.uses[ref], CLASSES) - 1
         left = self._left[cls]
-        return left < MIN_SAMPLES or self._back[cls] >= self.threshold * left
+        return left < self.min_samples or self._back[cls] >= self.threshold * left
 
     @property
     def return_rates(self) -> list[float | None]:

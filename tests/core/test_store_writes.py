@@ -11,6 +11,7 @@ from kvtier_client.tiers import Tier
 from kvtier.core import BlockStore, Quota, clean_reserve
 from kvtier.core.bookkeeping import BookkeepingMover
 from kvtier.core.invariants import check_invariants, check_quotas_kept
+from kvtier.policy import ReuseAdmission
 from kvtier.replay.mooncake import _LAYOUT
 
 S = "session"
@@ -233,3 +234,27 @@ def test_a_write_back_never_gives_up_a_disk_copy_of_a_page_still_in_host():
 @pytest.mark.parametrize("host, reserve", [(3, 0), (255, 0), (256, 64), (4096, 128), (1 << 20, 1 << 15)])
 def test_the_clean_reserve_rule(host, reserve):
     assert clean_reserve(host) == reserve
+
+
+def test_disk_admission_keeps_pages_that_never_come_back_off_the_disk():
+    mover = GatedMover()
+    admission = ReuseAdmission(host_pages=2, disk_pages=64, min_samples=4)
+    s = store(mover, host=2, disk=64, admission=admission)
+    for i in range(80):  # one-off pages: each evicted by the next, none ever asked for again
+        put(s, "A", b"once-%d" % i)
+    disk = s.stats().tier(Tier.DISK).counters
+    assert admission.return_rates[0] == 0.0 and disk.refused > 0
+    written = {key for batch in mover.stored for key in batch}
+    assert disk.demotions == len(written) and disk.demotions + disk.refused == 78
+    refused = b"once-%d" % 77
+    assert refused not in written and not tiers(s, "A", refused)  # gone, not on disk
+    # Write-back asks the same question: a host of dirty pages of a refused kind writes nothing.
+    assert s.write_back(2) == 0
+    # A page that is used again in host is of another kind (used twice), and is written.
+    put(s, "A", b"hot")
+    grant = s.acquire(S, "A", [b"hot"], Tier.HOST)
+    s.release(S, grant.lease_id)
+    put(s, "A", b"x")
+    put(s, "A", b"y")
+    assert Tier.DISK in tiers(s, "A", b"hot")
+    check_invariants(s)
