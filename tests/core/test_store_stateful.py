@@ -74,13 +74,17 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- set-up and teardown --------------------------------------------------
     @initialize(policy=st.sampled_from(["lru", "prefix", "frecency"]), write_through=st.booleans(),
-                quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)))
-    def start(self, policy, write_through, quotas):
+                quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)),
+                admission=st.sampled_from(["all", "reuse"]))
+    def start(self, policy, write_through, quotas, admission):
         self.config = PoolConfig(
             host_bytes=HOST_PAGES * LAYOUT.slot_bytes,
             disk_bytes=DISK_PAGES * LAYOUT.slot_bytes,
             disk_dir=self.dir,
             policy=policy,
+            # reuse at threshold 1: a kind of page is refused once any of its pages stays away
+            disk_admission=admission,
+            disk_admission_threshold=1.0,
             write_through=write_through,
             fsync="never",
             arena_prefix=self.prefix,
@@ -389,6 +393,8 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), offset=st.integers(FP, LAYOUT.page_bytes - 1))
     def rot_disk_page(self, data, offset):
         record = data.draw(st.sampled_from(sorted(self.pool.disk.records(), key=lambda r: r.seq)))
+        if (record.namespace, record.key, record.seq) in self.corrupt:
+            return  # already rotten: flipping the same byte again could heal it
         with open(self.pool.disk.slab_path, "r+b") as f:
             f.seek(record.slot * LAYOUT.slot_bytes + offset)
             byte = f.read(1)[0]
