@@ -20,7 +20,8 @@ from kvtier.mechanism.directio import open_direct
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.policy import PolicyName
 from kvtier.server.pools import Pool, PoolConfig
-from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, read_trace, replay
+from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, halfway, read_timed_trace, read_trace, replay
+from kvtier.replay.policy import replay_policy
 from kvtier.units import parse_size
 
 __all__ = [
@@ -34,8 +35,11 @@ __all__ = [
     "bench_pool",
     "open_direct",
     "parse_size",
+    "halfway",
+    "read_timed_trace",
     "read_trace",
     "replay",
+    "replay_policy",
 ]
 
 
