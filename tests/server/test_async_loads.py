@@ -495,7 +495,7 @@ def test_prefetched_page_is_held_then_ages(daemons, store):
     held = keys("held", 4)
     fill = keys("fill", 12)
     # 16 host pages. With the default hold (10 s), prefetch `held` and then fill the host.
-    d = daemons.start(name="hold-10s", host_size="64KiB", disk_size="1MiB")
+    d = daemons.start("--policy", "lru", name="hold-10s", host_size="64KiB", disk_size="1MiB")  # LRU's order below
     st = store(d.target, "hold")
     st.put(held)
     base = st.push_to_disk()
@@ -515,7 +515,7 @@ def test_prefetched_page_is_held_then_ages(daemons, store):
 
     # With --prefetch-hold 1s the same page is evictable once the hold is over: the loads
     # finished before settle() returned, so their hold ends within 1 s of that.
-    d = daemons.start("--prefetch-hold", "1s", name="hold-1s", host_size="64KiB", disk_size="1MiB")
+    d = daemons.start("--prefetch-hold", "1s", "--policy", "lru", name="hold-1s", host_size="64KiB", disk_size="1MiB")
     st = store(d.target, "hold")
     st.put(held)
     base = st.push_to_disk()

@@ -19,7 +19,7 @@ PIPE = {"TTY_COMPATIBLE": "0"}
 #: What a terminal looks like to rich: forced, 160 columns.
 TERMINAL = {"TTY_COMPATIBLE": "1", "COLUMNS": "160", "NO_COLOR": ""}
 TIER_HEADER = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit", "rate", "evicted", "promoted",
-               "demoted", "moved", "in", "corrupt", "io", "errors", "read/s"]
+               "demoted", "refused", "moved", "in", "corrupt", "io", "errors", "read/s"]
 
 
 @pytest.fixture(scope="module")

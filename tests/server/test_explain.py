@@ -49,7 +49,8 @@ def flip_disk_page(daemon, pool: str, namespace: str, key: bytes, slot_bytes: in
 def history(module_daemons):
     """The daemon, the "ex" session (xxh3-128, LAYOUT) and the two pool ids, after the history."""
     port = free_port()
-    d = module_daemons.start("--metrics-port", str(port), host_size="64KiB", disk_size="64KiB")
+    # The explanations checked below follow LRU's eviction order.
+    d = module_daemons.start("--metrics-port", str(port), "--policy", "lru", host_size="64KiB", disk_size="64KiB")
     conn = Conn(d.target)
     ex = conn.session("ex")
     pool = ex.reply.pool_id

@@ -180,10 +180,11 @@ def router():
 
 @pytest.fixture(scope="module")
 def node1(module_daemons, router):
-    """Four host pages, write-through to disk, no authentication."""
+    """Four host pages, write-through to disk, no authentication; LRU (the expected
+    evictions below are in its order)."""
     metrics_port = free_port()
     daemon = module_daemons.start("--events", router.endpoint, "--events-topic", "kv@node1@{namespace}",
-                                  "--write-through", "--metrics-port", str(metrics_port), name="node1",
+                                  "--write-through", "--policy", "lru", "--metrics-port", str(metrics_port), name="node1",
                                   host_size="16KiB", disk_size="1MiB")
     daemon.metrics_port = metrics_port
     warm_up(router, daemon)
@@ -197,7 +198,7 @@ def node2(module_daemons, router, tmp_path_factory):
     tokens.write_text(f'[tokens]\n"{TOKEN_A}" = ["tenant-a", "model-y"]\n"{TOKEN_B}" = ["tenant-b"]\n'
                       f'"{TOKEN_ALL}" = ["*"]\n')
     daemon = module_daemons.start("--events", router.endpoint, "--events-topic", "kv@node2@{namespace}",
-                                  "--tokens-file", str(tokens), name="node2")
+                                  "--tokens-file", str(tokens), "--policy", "lru", name="node2")
     warm_up(router, daemon, TOKEN_ALL)
     return daemon
 
