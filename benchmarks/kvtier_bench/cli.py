@@ -235,6 +235,8 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
                    "lru's with the first one  [default: the store's]")
 @click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
               help="Host capacity in 512-token pages; repeatable  [default: 0.5M to 30M tokens, 3 points with --quick]")
+@click.option("--disk-factor", type=click.IntRange(min=0), default=trace_bench.DISK_FACTOR, show_default=True,
+              help="The host+disk lines' disk tier, in host capacities; 0 for the one-tier lines alone.")
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Size of the synthetic shapes (1: 100k to 150k blocks each).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic shapes.")
@@ -244,17 +246,18 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables: one object per shape, one a line.")
 @click.option("--quick", is_flag=True, help="Three capacity points.")
 def trace_command(trace_path: str, shape_names: tuple[str, ...], policies: tuple[str, ...], admissions: tuple[str, ...],
-                  capacities: tuple[int, ...], scale: float, seed: int, workers: int, plot_path: str | None,
-                  as_json: bool, quick: bool) -> None:
-    """Block hit rate against capacity for each policy, one tier and host + a 10x disk
-    tier, through the real BlockStore, with its ratio to lru's, the disk writes per disk
-    hit and the policy's speed; the infinite-capacity hit rate and offline Belady (one tier
-    of the host's pages, and of host + disk) for reference."""
+                  capacities: tuple[int, ...], disk_factor: int, scale: float, seed: int, workers: int,
+                  plot_path: str | None, as_json: bool, quick: bool) -> None:
+    """Block hit rate against capacity for each policy, one tier (through the policy alone)
+    and host + a 10x disk tier (through the real BlockStore), with its ratio to lru's, the
+    disk writes per disk hit and the policy's speed; the infinite-capacity hit rate and
+    offline Belady (one tier of the host's pages, and of host + disk) for reference."""
     names = trace_bench.SHAPES if "all" in shape_names else shape_names or (trace_bench.MOONCAKE,)
     try:
         results = trace_bench.run_shapes(names, trace=trace_path, capacities=capacities or None, quick=quick,
-                                         policies=policies or trace_bench.POLICIES, admissions=admissions, seed=seed,
-                                         scale=scale, workers=workers, progress=progress_lines(as_json))
+                                         policies=policies or trace_bench.POLICIES, admissions=admissions,
+                                         disk_factor=disk_factor, seed=seed, scale=scale, workers=workers,
+                                         progress=progress_lines(as_json))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     for result in results:

@@ -11,13 +11,14 @@ block whose descendants are cached here is never evicted, so no cached suffix is
 weight 0 is prefix-aware LRU; a large weight is close to LFU. The best weight depends on
 the traffic (how long a conversation pauses between turns, how much is read once), so it
 is not a constant: shadow caches (kvtier.policy.shadow) replay a sample of the accesses
-with weights from 0 to 32x the tier's capacity in ticks (256 refs each), and the policy takes the weight
+with weights from 0 to 32x the tier's capacity in ticks (128 refs each), and the policy takes the weight
 whose shadow hit most in the last few epochs, re-ranking its blocks when it changes.
 It starts at weight 0, plain prefix-aware LRU, until the shadows have seen an epoch.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 
 from kvtier.policy.base import Ref
@@ -33,8 +34,13 @@ REMEMBERED_FACTOR = 4
 _LOG2 = [0.0] + [math.log2(u) for u in range(1, 256)]
 
 
+def bonus(uses: int) -> float:
+    """What `uses` add to a rank, per unit of weight: log2(uses), 0 for one use."""
+    return _LOG2[uses] if uses < 256 else math.log2(uses)
+
+
 def frecency(now: int, uses: int, weight: float) -> float:
-    return now + weight * (_LOG2[uses] if uses < 256 else math.log2(uses))
+    return now + weight * bonus(uses)
 
 
 class FrecencyPolicy(PrefixLRUPolicy):
@@ -46,7 +52,7 @@ class FrecencyPolicy(PrefixLRUPolicy):
         super().__init__()
         self.uses = UseCounts(REMEMBERED_FACTOR * capacity)
         weights = [f * capacity for f in WEIGHT_FACTORS] if weights is None else weights
-        self.shadows = ShadowCaches(capacity, weights, frecency)
+        self.shadows = ShadowCaches(capacity, weights)
         self._ticks: dict[Ref, int] = {}  # ref -> tick of last use
 
     @property
@@ -54,12 +60,14 @@ class FrecencyPolicy(PrefixLRUPolicy):
         return self.shadows.weight
 
     def _ranked(self, ref: Ref) -> float:
+        # The daemon's hot path: the frecency formula is written out here.
         now = self._ticks[ref] = self._clock
         uses = self.uses.used(ref)
+        gain = _LOG2[uses] if uses < 256 else math.log2(uses)
         shadows = self.shadows
-        if shadows.sampled(ref) and shadows.access(ref, now, uses):
+        if zlib.crc32(ref[1]) < shadows.threshold and shadows.access(ref, now, gain):
             self._rerank()
-        return frecency(now, uses, shadows.weight)
+        return now + shadows.weight * gain
 
     def _rerank(self) -> None:
         """The weight changed: rank every block by it (O(n), at most once an epoch)."""

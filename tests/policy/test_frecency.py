@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.policy import FrecencyPolicy
-from kvtier.policy.frecency import frecency
-from kvtier.policy.shadow import EPOCH_PASSES, ShadowCaches
+from kvtier.policy.frecency import bonus
+from kvtier.policy.shadow import EPOCH_PASSES, SHADOW_PAGES, SWITCH_MARGIN, ShadowCaches
 from kvtier.policy.uses import UseCounts
 
 
@@ -41,7 +41,8 @@ def test_use_counts_outlive_an_eviction_for_a_while():
 # -- shadow caches -----------------------------------------------------------------
 class ShadowModel:
     """Each candidate weight's cache as a plain dict, its lowest rank dropped when over
-    capacity; scores halved every epoch; the best weight the first of the highest scores."""
+    capacity; scores halved every epoch; the weight moves to the first of the highest
+    scores when that beats the current weight's by more than the margin."""
 
     def __init__(self, capacity, weights):
         self.capacity, self.weights = capacity, weights
@@ -59,7 +60,9 @@ class ShadowModel:
         self.seen += 1
         if self.seen == EPOCH_PASSES * self.capacity:
             self.seen = 0
-            self.weight = self.weights[self.scores.index(max(self.scores))]
+            best = self.scores.index(max(self.scores))
+            if self.scores[best] > self.scores[self.weights.index(self.weight)] * (1 + SWITCH_MARGIN):
+                self.weight = self.weights[best]
             self.scores = [s / 2 for s in self.scores]
 
 
@@ -67,12 +70,12 @@ class ShadowModel:
 @given(st.lists(st.integers(0, 11), min_size=1, max_size=200))
 def test_shadow_caches_match_the_model(stream):
     weights = [0.0, 3.0, 50.0]
-    shadows, model = ShadowCaches(4, weights, frecency), ShadowModel(4, weights)
+    shadows, model = ShadowCaches(4, weights), ShadowModel(4, weights)
     uses: dict = {}
     for now, i in enumerate(stream, 1):
         uses[i] = uses.get(i, 0) + 1
-        assert shadows.sampled(ref(i))  # a tier under 256 pages samples everything
-        shadows.access(ref(i), now, uses[i])
+        assert shadows.sampled(ref(i))  # a tier under SHADOW_PAGES pages samples everything
+        shadows.access(ref(i), now, bonus(uses[i]))
         model.access(ref(i), now, uses[i])
         assert shadows.weight == model.weight
         assert list(shadows.scores.values()) == model.scores
@@ -82,20 +85,20 @@ def test_shadows_choose_frequency_when_a_scan_would_flush_the_hot_blocks():
     # Four hot blocks used again and again, each round followed by a scan of eight
     # one-off blocks: LRU (weight 0) loses the hot blocks to every scan, a frequency
     # bonus keeps them.
-    shadows = ShadowCaches(6, [0.0, 8.0, 64.0], frecency)
+    shadows = ShadowCaches(6, [0.0, 8.0, 64.0])
     uses: dict = {}
     now, scanned = 0, 100
     for _ in range(40):
         for i in [1, 2, 3, 4] + list(range(scanned, scanned + 8)):
             now += 1
             uses[i] = uses.get(i, 0) + 1
-            shadows.access(("ns", i.to_bytes(2, "little")), now, uses[i])
+            shadows.access(("ns", i.to_bytes(2, "little")), now, bonus(uses[i]))
         scanned += 8
     assert shadows.epochs > 0 and shadows.weight > 0
 
 
 def test_shadows_sample_a_large_tier():
-    shadows = ShadowCaches(256 * 16, [0.0, 1.0], frecency)
+    shadows = ShadowCaches(SHADOW_PAGES * 16, [0.0, 1.0])  # a sixteenth of its refs
     sampled = sum(shadows.sampled(("ns", i.to_bytes(4, "little"))) for i in range(20000))
     assert 20000 / 16 * 0.8 < sampled < 20000 / 16 * 1.2
 
