@@ -135,7 +135,9 @@ class ReuseAdmission:
         self._left[cls] += 1
         self._back[cls] += back
         self._since_decay += 1
-        if self._since_decay >= self._window:  # follow the traffic: older windows count half
+        # Follow the traffic: older counts weigh half every window (never so often that a
+        # class could not reach min_samples).
+        if self._since_decay >= max(self._window, 4 * self.min_samples):
             self._since_decay = 0
             self._left = [n / 2 for n in self._left]
             self._back = [n / 2 for n in self._back]

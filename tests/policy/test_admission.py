@@ -22,7 +22,8 @@ def ref(i: int) -> tuple[str, bytes]:
 class ReuseModel:
     """Recomputes the rates from the whole event log: a departure settles when `window`
     later departures have happened or its page leaves again; it counts as back if its page
-    arrived in between; every `window` settlements the counts so far are halved."""
+    arrived in between; every max(`window`, 4 x MIN_SAMPLES) settlements the counts so far
+    are halved."""
 
     def __init__(self, window: int, threshold: float, remembered: int) -> None:
         self.window, self.threshold, self.remembered = window, threshold, remembered
@@ -63,7 +64,7 @@ class ReuseModel:
             left[d[1]] += 1
             back_n[d[1]] += d[2]
             settled_n += 1
-            if settled_n % self.window == 0:
+            if settled_n % max(self.window, 4 * MIN_SAMPLES) == 0:
                 left, back_n = [n / 2 for n in left], [n / 2 for n in back_n]
 
         for kind, x in self.log:

@@ -118,3 +118,25 @@ def test_disk_load_metrics(daemons, connect):
     assert value(families, "kvtier_acquire_pages_total", pool=pool, on_arrival="ready") == 4
     assert value(families, "kvtier_promotions_total", pool=pool, tier="host") == 8
     assert value(families, "kvtier_moved_bytes_total", pool=pool, src="disk", dst="host") == 8 * s.reply.page_bytes
+
+
+def test_disk_admission_counts_refused_pages(daemons, connect):
+    """A daemon with `--disk-admission reuse` at threshold 1 (write a kind of page only if
+    every one of its pages came back): pages used once that never return are refused once
+    64 of them have settled; the stats and the metric count them, and they are not on disk."""
+    port = free_port()
+    d = daemons.start("--metrics-port", str(port), "--disk-admission", "reuse", "--disk-admission-threshold", "1",
+                      host_size="48KiB", disk_size="96KiB")
+    s = connect(d.target).session("admission")
+    pool = s.reply.pool_id
+    one_offs = keys("once", 160)
+    for i in range(0, len(one_offs), 4):
+        s.put(one_offs[i:i + 4])
+    stats = s.conn.call("Stats", pb.StatsRequest())
+    host, disk = tier_stats(stats, pool, pb.TIER_HOST), tier_stats(stats, pool, pb.TIER_DISK)
+    # Every page that left host was written or refused.
+    assert disk.refused_pages > 0 and disk.demotions + disk.refused_pages == len(one_offs) - host.capacity_pages
+    _, families = scrape(port)
+    assert value(families, "kvtier_admission_refused_total", pool=pool, tier="disk") == disk.refused_pages
+    # The last pages to leave host were refused: nothing of them is cached anywhere.
+    assert s.lookup(one_offs[-20:-16]).hit_blocks == 0
