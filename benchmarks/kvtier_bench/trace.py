@@ -529,7 +529,8 @@ def plot(result: TraceResult, path: str | os.PathLike) -> None:
     ax.set_xscale("log")
     ax.set_xticks(xs, [_tokens(p.host_pages) for p in result.points])
     ax.minorticks_off()
-    ax.set_xlabel(f"host tier capacity, tokens (host+disk: disk = {result.disk_factor}x host)")
+    ax.set_xlabel("host tier capacity, tokens"
+                  + (f" (host+disk: disk = {result.disk_factor}x host)" if result.disk_factor else ", one tier"))
     ax.set_ylabel("block hit rate")
     ax.set_title(f"{result.shape}: hit rate vs capacity")
     ax.set_ylim(0, max(0.05, result.infinite * 1.15))

@@ -141,3 +141,16 @@ def test_device_tier_on_top_keeps_the_hit_rate_and_serves_repeats(tiny_trace):
     assert with_device.device_hit_blocks > 0
     data = with_device.as_dict()
     assert sum(data["tier_hit_rates"].values()) == pytest.approx(data["block_hit_rate"])
+
+
+def test_second_half_counts_only_the_later_requests(tiny_trace):
+    # TINY's timestamps are 0..3: the second half by time starts at request 2 ([5], [1,2,3]).
+    # With lru on 3 pages (worked above) R3 and R4 hit nothing: 0 of 4 blocks.
+    out = run_replay(tiny_trace, "--host-pages", "3", "--policy", "lru", "--second-half", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert (data["requests"], data["blocks"], data["block_hit_rate"]) == (2, 4, 0.0)
+    # With prefix, R4's prefix survived: 2 of 4.
+    out = run_replay(tiny_trace, "--host-pages", "3", "--policy", "prefix", "--second-half")
+    assert "block hit rate 0.5000" in out.stdout and "second half, from request 2" in out.stdout
+    assert "policy speed" in out.stdout
