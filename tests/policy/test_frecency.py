@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model_check import check_against_model, ops
+
 from kvtier.policy import FrecencyPolicy
 from kvtier.policy.frecency import bonus
 from kvtier.policy.shadow import EPOCH_PASSES, SHADOW_PAGES, SWITCH_MARGIN, ShadowCaches
@@ -104,15 +106,12 @@ def test_shadows_sample_a_large_tier():
 
 
 # -- the policy ------------------------------------------------------------------------
-#: A fixed forest: block i's parent never changes, as with prefix-chained keys.
-FOREST = {i: (None if i % 7 == 0 else (i - 1 if i % 3 else i // 2)) for i in range(24)}
-
-
 class FrecencyModel:
     """Recomputes every answer from the history: ticks of last use, use counts with the
     last `remembered` departures' counts kept, the weight the policy reports."""
 
-    def __init__(self, remembered):
+    def __init__(self, remembered, weight):
+        self.weight = weight  # () -> the weight the policy reports now
         self.clock = 0
         self.tick, self.uses, self.parent = {}, {}, {}
         self.departed: list = []  # (ref, count), oldest first
@@ -135,7 +134,12 @@ class FrecencyModel:
         self.departed = self.departed[-self.remembered:] if self.remembered else []
         del self.tick[r], self.parent[r]
 
-    def victims(self, n, pinned, weight):
+    @property
+    def cached(self):
+        return self.tick.keys()
+
+    def victims(self, n, pinned):
+        weight = self.weight()
         rank = {r: self.tick[r] + weight * math.log2(self.uses[r]) for r in self.tick}
         chosen: list = []
         while len(chosen) < n:
@@ -147,17 +151,6 @@ class FrecencyModel:
         return chosen
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 23)),
-        st.tuples(st.just("touch"), st.integers(0, 23)),
-        st.tuples(st.just("remove"), st.integers(0, 23)),
-        st.tuples(st.just("victims"), st.integers(0, 26), st.frozensets(st.integers(0, 23), max_size=6)),
-    ),
-    max_size=150,
-)
-
-
 @pytest.mark.parametrize("weights", [(0.0,), (3.0,), (1000.0,), None], ids=["lru", "w3", "w1000", "tuned"])
 @settings(max_examples=120, deadline=None)
 @given(sequence=ops)
@@ -165,29 +158,9 @@ def test_frecency_matches_the_model(weights, sequence):
     """`None`: the default candidates on a 2-page tier, so the weight changes every few
     operations and the policy must re-rank everything it holds each time."""
     capacity = 2
-    policy, model = FrecencyPolicy(capacity, weights), FrecencyModel(remembered=4 * capacity)
-    for op in sequence:
-        kind, i = op[0], op[1]
-        tracked = ref(i) in model.tick
-        if kind == "add" and not tracked:
-            parent = None if FOREST[i] is None else ref(FOREST[i])
-            policy.add(ref(i), parent)
-            model.add(ref(i), parent)
-        elif kind == "touch" and tracked:
-            policy.touch(ref(i))
-            model.touch(ref(i))
-        elif kind == "remove" and tracked:
-            policy.remove(ref(i))
-            model.remove(ref(i))
-        elif kind == "victims":
-            pins = {ref(j) for j in op[2]}
-            expected = model.victims(i, pins.__contains__, policy.weight)
-            assert policy.victims(i, pins.__contains__) == expected
-            assert policy.victims(i, pins.__contains__) == expected  # a proposal changes nothing
-        assert len(policy) == len(model.tick)
-    everything = model.victims(len(model.tick), NOTHING_PINNED, policy.weight)
-    assert policy.victims(len(model.tick), NOTHING_PINNED) == everything
-    assert sorted(everything) == sorted(model.tick)
+    policy = FrecencyPolicy(capacity, weights)
+    model = FrecencyModel(remembered=4 * capacity, weight=lambda: policy.weight)
+    check_against_model(policy, model, sequence, prefix_aware=True)
 
 
 def test_frecency_keeps_a_reused_chain_over_a_newer_one_off():

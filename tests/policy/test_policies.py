@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
+from model_check import check_against_model, ops
 
 from kvtier.policy import POLICIES, FrecencyPolicy, LRUPolicy, PrefixLRUPolicy, make_policy
 
@@ -160,6 +161,10 @@ class Model:
         del self.last_use[ref]
         del self.parent[ref]
 
+    @property
+    def cached(self):
+        return self.last_use.keys()
+
     def victims(self, n, pinned):
         chosen: list = []
         while len(chosen) < n:
@@ -179,52 +184,8 @@ class Model:
         return chosen
 
 
-# A fixed forest of 24 blocks: block i's parent is a lower-numbered block or none, so the
-# parent of a block never changes, as with real prefix-chained keys.
-FOREST = {i: (None if i % 7 == 0 else (i - 1 if i % 3 else i // 2)) for i in range(24)}
-
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 23)),
-        st.tuples(st.just("touch"), st.integers(0, 23)),
-        st.tuples(st.just("remove"), st.integers(0, 23)),
-        st.tuples(st.just("victims"), st.integers(0, 26), st.frozensets(st.integers(0, 23), max_size=6)),
-    ),
-    max_size=120,
-)
-
-
 @pytest.mark.parametrize("name", ["lru", "prefix"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=ops)
 def test_policy_matches_reference_model(name, sequence):
-    policy, model = make_policy(name, 8), Model(name)
-    ref = lambda i: ("ns", bytes([i]))  # noqa: E731
-    for op in sequence:
-        kind, i = op[0], op[1]
-        tracked = ref(i) in model.last_use
-        if kind == "add" and not tracked:
-            parent = None if FOREST[i] is None else ref(FOREST[i])
-            policy.add(ref(i), parent)
-            model.add(ref(i), parent)
-        elif kind == "touch" and tracked:
-            policy.touch(ref(i))
-            model.touch(ref(i))
-        elif kind == "remove" and tracked:
-            policy.remove(ref(i))
-            model.remove(ref(i))
-        elif kind == "victims":
-            pins = {ref(j) for j in op[2]}
-            expected = model.victims(i, pins.__contains__)
-            got = policy.victims(i, pins.__contains__)
-            assert got == expected
-            assert policy.victims(i, pins.__contains__) == expected  # a proposal changes nothing
-            if name == "prefix":
-                # The rule itself: every chosen block's cached children were chosen before it.
-                for k, chosen in enumerate(got):
-                    children = [c for c, p in model.parent.items() if p == chosen]
-                    assert all(c in got[:k] for c in children)
-        assert len(policy) == len(model.last_use)
-    everything = model.victims(len(model.last_use), lambda ref: False)
-    assert policy.victims(len(model.last_use), lambda ref: False) == everything
-    assert sorted(everything) == sorted(model.last_use)  # with nothing pinned, all can go
+    check_against_model(make_policy(name, 8), Model(name), sequence, prefix_aware=name == "prefix")
