@@ -17,6 +17,7 @@ It starts at weight 0, plain prefix-aware LRU, until the shadows have seen an ep
 """
 from __future__ import annotations
 
+import heapq
 import math
 import zlib
 from collections.abc import Sequence
@@ -59,15 +60,18 @@ class FrecencyPolicy(PrefixLRUPolicy):
     def weight(self) -> float:
         return self.shadows.weight
 
-    def _ranked(self, ref: Ref) -> float:
-        # The daemon's hot path: the frecency formula is written out here.
-        now = self._ticks[ref] = self._clock
+    def _stamp(self, ref: Ref) -> None:
+        # The daemon's hot path: prefix's stamp with the frecency formula written out.
+        self._clock = now = self._clock + 1
+        self._ticks[ref] = now
         uses = self.uses.used(ref)
         gain = _LOG2[uses] if uses < 256 else math.log2(uses)
         shadows = self.shadows
         if zlib.crc32(ref[1]) < shadows.threshold and shadows.access(ref, now, gain):
             self._rerank()
-        return now + shadows.weight * gain
+        rank = self._rank[ref] = now + shadows.weight * gain
+        if not self._children.get(ref):
+            heapq.heappush(self._leaves, (rank, ref))
 
     def _rerank(self) -> None:
         """The weight changed: rank every block by it (O(n), at most once an epoch)."""

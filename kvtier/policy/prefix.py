@@ -32,13 +32,10 @@ class PrefixLRUPolicy:
         self._children: dict[Ref, int] = {}
         self._leaves: list[tuple[float, Ref]] = []  # (rank, ref), possibly stale
 
-    def _ranked(self, ref: Ref) -> float:
-        """The rank of `ref`, used just now (the clock has ticked)."""
-        return self._clock
-
     def _stamp(self, ref: Ref) -> None:
+        """`ref` was used just now: rank it (subclasses rank by more than the tick)."""
         self._clock += 1
-        rank = self._rank[ref] = self._ranked(ref)
+        rank = self._rank[ref] = self._clock
         if not self._children.get(ref):
             heapq.heappush(self._leaves, (rank, ref))
 

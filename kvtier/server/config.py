@@ -313,8 +313,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "tiers", Kind.of(PolicyName), "frecency",
            "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, or a candidate "
            "measured against them (arc, s3fifo, tinylfu)."),
-    Option("disk_admission", "tiers", Kind.of(AdmissionName), "all", "Which host pages are written to disk as they leave "
-           "host: all, or reuse (only kinds of pages that come back often enough, see --disk-admission-threshold)."),
+    Option("disk_admission", "tiers", Kind.of(AdmissionName), "reuse", "Which host pages are written to disk as they "
+           "leave host: reuse (only kinds of pages that come back often enough, see --disk-admission-threshold), or all."),
     Option("disk_admission_threshold", "tiers", FRACTION, DEFAULT_THRESHOLD, "For --disk-admission reuse: the share "
            "of pages read back for which a disk write pays (0.1: one in ten)."),
     Option("write_through", "tiers", BOOL, False, "Copy pages to disk at commit, or only when evicted (write-back).",
