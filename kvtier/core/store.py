@@ -635,10 +635,19 @@ class BlockStore:
         the lookup counted once.)"""
         if self.cluster:
             # The lookup asks the cluster outside the lock, so the two cannot share it:
-            # a page evicted here meanwhile is loaded from the cluster, or missed.
-            match = self.lookup(namespace, keys)
-            hit = min(match.hit_blocks, self._index.tiers[tier].slots.capacity) if tier in self._index.tiers else 0
-            return match, (self.acquire(session, namespace, keys[:hit], tier, timeout) if hit else None)
+            # a page evicted here meanwhile is loaded from the cluster, or missed. One the
+            # cluster itself evicted meanwhile fails its load (NotFound): look up once more,
+            # which now stops before it.
+            for last_try in (False, True):
+                match = self.lookup(namespace, keys)
+                hit = min(match.hit_blocks, self._index.tiers[tier].slots.capacity) if tier in self._index.tiers else 0
+                if not hit:
+                    return match, None
+                try:
+                    return match, self.acquire(session, namespace, keys[:hit], tier, timeout)
+                except NotFound:
+                    if last_try:
+                        raise
         matches: list[PrefixMatch] = []
 
         def attempt() -> tuple[PrefixMatch, ReadGrant | None]:
