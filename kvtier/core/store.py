@@ -153,7 +153,7 @@ class BlockStore:
             raise ValueError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier")
         adopted = list(recovered_host)
         host_policy = policy(host_pages)
-        if admission is not None and disk_pages > 0:
+        if admission is not None and admission.listens and disk_pages > 0:
             host_policy = Watched(host_policy, admission)  # it learns from the host tier's events
         tiers = [TierState(Tier.HOST, SlotAllocator(host_pages, used=[r.slot for r in adopted]), host_policy)]
         if device_pages > 0:

@@ -42,6 +42,8 @@ class AdmissionName(str, Enum):
 
 class Admission(Protocol):
     name: str
+    #: Whether it learns from the host tier's events (the store relays them only then).
+    listens: bool
 
     def add(self, ref: Ref, parent: Ref | None) -> None: ...
 
@@ -57,6 +59,7 @@ class AdmitAll:
     """Every page is written (the behaviour before admission existed)."""
 
     name = "all"
+    listens = False
 
     def add(self, ref: Ref, parent: Ref | None) -> None:
         pass
@@ -83,6 +86,7 @@ SAMPLE_PAGES = 4096
 
 class ReuseAdmission:
     name = "reuse"
+    listens = True
 
     def __init__(self, host_pages: int, disk_pages: int, threshold: float = DEFAULT_THRESHOLD,
                  min_samples: int = MIN_SAMPLES) -> None:

@@ -10,9 +10,10 @@ block whose descendants are cached here is never evicted, so no cached suffix is
 
 weight 0 is prefix-aware LRU; a large weight is close to LFU. The best weight depends on
 the traffic (how long a conversation pauses between turns, how much is read once), so it
-is not a constant: shadow caches (kvtier.policy.shadow) replay a sample of the accesses
-with weights from 0 to 32x the tier's capacity in ticks (128 refs each), and the policy takes the weight
-whose shadow hit most in the last few epochs, re-ranking its blocks when it changes.
+is not a constant: shadow caches (kvtier.policy.shadow, 128 refs each) replay a sample of
+the accesses with weights from 0 to 32x the tier's capacity in ticks, and the policy takes
+the weight whose shadow hit most in the last few epochs, re-ranking its blocks when it
+changes.
 It starts at weight 0, plain prefix-aware LRU, until the shadows have seen an epoch.
 """
 from __future__ import annotations

@@ -8,9 +8,8 @@ seen lately, at a cost of (candidates x R) extra steps per access.
 
 Each shadow holds sampled refs only (no pages), ranks them by `now + weight x bonus` (the
 caller's bonus for the ref, e.g. log2 of its uses) and drops its lowest rank when over
-capacity. Scores are hits, halved every epoch (four
-times the shadows' capacity in sampled accesses), so the choice follows the traffic of
-the last few epochs. The sample is by a stable hash of the key, so a replay is repeatable.
+capacity. Scores are hits, halved every epoch (four times the shadows' capacity in sampled
+accesses), so the choice follows the traffic of the last few epochs. The sample is by a stable hash of the key, so a replay is repeatable.
 """
 from __future__ import annotations
 
@@ -61,9 +60,9 @@ class _Shadow:
 
 class ShadowCaches:
     """Shadow caches for `weights` of a tier of `capacity` pages; `weight` is the current
-    best (initially `weights[start]`)."""
+    best (initially the first)."""
 
-    def __init__(self, capacity: int, weights: Sequence[float], start: int = 0) -> None:
+    def __init__(self, capacity: int, weights: Sequence[float]) -> None:
         rate = min(1.0, SHADOW_PAGES / max(1, capacity))
         #: A ref is sampled when the CRC-32 of its key is below this.
         self.threshold = int(rate * 2**32)
@@ -71,7 +70,7 @@ class ShadowCaches:
         self._shadows = [_Shadow(w, size) for w in weights]
         self._epoch = EPOCH_PASSES * size
         self._seen = 0
-        self.weight = weights[start]
+        self.weight = weights[0]
         #: Epochs ended so far (for stats and tests).
         self.epochs = 0
 
