@@ -39,7 +39,8 @@ from kvtier_client.tiers import Tier
 class PageRecord:
     """One page's persistent index entry, in the tier whose slot it names (the disk tier's
     LMDB index, the host tier's slot table). `checksum` is xxh3-64 of the page's `length`
-    bytes; `seq` orders entries by write, so a restart rebuilds recency."""
+    bytes; `seq` orders entries by write, so a restart rebuilds recency. `seal` (disk) binds
+    the page to its namespace, layout and key, of kind `seal_kind` (kvtier.mechanism.seal)."""
 
     namespace: str
     key: bytes
@@ -48,6 +49,8 @@ class PageRecord:
     length: int = 0
     checksum: int = 0
     seq: int = 0
+    seal: bytes = b""
+    seal_kind: int = 0
 
 
 class LoadKind(IntEnum):

@@ -1,10 +1,13 @@
 """Disk tier: a preallocated slab file of fixed aligned slots plus an LMDB index.
 
-The index maps (namespace, key) to the slot, length, checksum, parent key, layout and a
-write sequence number, so the tier's content survives a restart. Ordering rule: a page's
+The index maps (namespace, key) to the slot, length, checksum, seal, parent key, layout and
+a write sequence number, so the tier's content survives a restart. Ordering rule: a page's
 bytes are written (and, with `fsync`, flushed) before its index entry commits, and every read
 is checked against the checksum; a crash between the two leaves either no entry or an entry
-whose checksum fails, and a failing page is dropped and counted, never returned.
+whose checksum fails, and a failing page is dropped and counted, never returned. The seal
+(kvtier.mechanism.seal) binds the page to its namespace, layout and key: an entry copied
+under another key, or slot bytes swapped together with their entries, fail it on read under
+the key asked for (misbound: dropped and counted, never returned).
 
 The core calls `write_pages` and `forget` outside its lock, so they may run at once on
 several threads (a request's eviction, the write-back thread): page writes run in
@@ -39,10 +42,15 @@ from kvtier_client.layout import PageLayout
 
 from kvtier.core.ports import PageRecord
 from kvtier.mechanism.directio import open_direct
+from kvtier.mechanism.seal import SEAL_BYTES, PageIdentity, Sealer
 
 log = logging.getLogger(__name__)
 
-_VALUE = struct.Struct("<IIQQ12sB")  # slot, length, checksum, seq, layout_id, len(parent)
+#: slot, length, checksum, seq, layout_id, seal kind, seal, len(parent); the parent key follows.
+_VALUE = struct.Struct(f"<IIQQ12sB{SEAL_BYTES}sB")
+#: The index's format, in its meta table. 1 (no entry there): before seals; such an index is
+#: forgotten at open (its entries bind no key, so they cannot be verified as their key's).
+INDEX_FORMAT = 2
 
 
 class DiskLayoutMismatch(RuntimeError):
@@ -97,6 +105,7 @@ class DiskTier:
         fsync: FsyncPolicy | str = FsyncPolicy.BATCH,
         fsync_interval: float = 1.0,
         io_depth: int = 8,
+        sealer: Sealer | None = None,
     ) -> None:
         if pages <= 0:
             raise ValueError(f"disk tier needs at least one page, got {pages}")
@@ -107,7 +116,9 @@ class DiskTier:
         self.layout = layout
         self.pages = pages
         self.fsync = FsyncPolicy(fsync)
-        self.corrupt_pages = 0
+        self.sealer = sealer or Sealer()
+        self.corrupt_pages = 0  # reads that failed their checksum or seal (dropped)
+        self.misbound_pages = 0  # of those, intact pages sealed as another key's, namespace's or secret's
         self.io_errors = 0  # failed reads, write batches, index updates and flushes
         self._failing: dict[str, int] = {}  # "read" / "write" -> failures in the current episode
         self._unforgotten: dict[bytes, int] = {}  # index key -> seq whose deletion failed: retried next transaction
@@ -134,6 +145,7 @@ class DiskTier:
             self._db = self._env.open_db(b"pages")
             self._meta = self._env.open_db(b"meta")
             self._check_meta()
+            self._check_format()
             self._seq = self._max_seq()
             self.slab_path = os.path.join(directory, "slab.bin")
             self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
@@ -168,6 +180,24 @@ class DiskTier:
                     "point this layout at another directory or remove that one"
                 )
 
+    def _check_format(self) -> None:
+        """Forget an index written before seals; refuse one of a newer kvtier."""
+        with self._env.begin(write=True) as txn:
+            stored = txn.get(b"format", db=self._meta)
+            found = int(stored) if stored is not None else 1
+            if found > INDEX_FORMAT:
+                raise DiskLayoutMismatch(
+                    f"disk tier at {self.directory} was written by a newer kvtier (index format {found}, this one "
+                    f"reads {INDEX_FORMAT}); upgrade this daemon or point it at another directory"
+                )
+            if found < INDEX_FORMAT:
+                old = txn.stat(self._db)["entries"]
+                if old:
+                    log.warning("disk tier %s: forgetting %d pages indexed by an older kvtier without seals (index "
+                                "format %d); engines recompute them", self.directory, old, found)
+                txn.drop(self._db, delete=False)
+                txn.put(b"format", str(INDEX_FORMAT).encode(), db=self._meta)
+
     def _max_seq(self) -> int:
         return max((r.seq for r in self.records()), default=0)
 
@@ -198,12 +228,12 @@ class DiskTier:
             pending = dict(self._unforgotten)
         with self._env.begin(db=self._db) as txn:
             for raw_key, value in txn.cursor():
-                slot, length, checksum, seq, _layout, plen = _VALUE.unpack_from(value)
+                slot, length, checksum, seq, _layout, kind, seal, plen = _VALUE.unpack_from(value)
                 if pending.get(raw_key) == seq:
                     continue
                 namespace, key = _decode_key(raw_key)
                 parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
-                yield PageRecord(namespace, key, slot, parent, length, checksum, seq)
+                yield PageRecord(namespace, key, slot, parent, length, checksum, seq, seal, kind)
 
     def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove index entries (each only while it is still the one with the record's
@@ -277,34 +307,42 @@ class DiskTier:
     def _write_batch(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
         futures = [self._writers.submit(self._write_one, item) for item in items]
         wait(futures)  # all ended: no write to a slot the caller frees may still be in flight
-        checksums = [f.result() for f in futures]
+        sums = [f.result() for f in futures]
         if self.fsync is FsyncPolicy.BATCH and items:
             os.fdatasync(self._fd)
         with self._index_lock:  # sequence numbers in commit order
             seq = self._seq
             stored = []
-            for (record, _), checksum in zip(items, checksums):
+            for (record, _), (checksum, seal) in zip(items, sums):
                 seq += 1
-                stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq))
+                stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq, seal=seal,
+                                      seal_kind=self.sealer.kind))
             with self._env.begin(write=True, db=self._db) as txn:
                 self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's slot
                 for r in stored:
                     parent = r.parent or b""
-                    value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(), len(parent))
+                    value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(),
+                                        r.seal_kind, r.seal, len(parent))
                     txn.put(_encode_key(r.namespace, r.key), value + parent)
             self._unforgotten.clear()
             self._seq = seq
         return stored
 
-    def _write_one(self, item: tuple[PageRecord, memoryview]) -> int:
-        """pwrite one slot (straight from the host page: no bounce buffer); returns its checksum."""
+    def _write_one(self, item: tuple[PageRecord, memoryview]) -> tuple[int, bytes]:
+        """pwrite one slot (straight from the host page: no bounce buffer); returns its
+        checksum and seal (computed here, in the I/O thread, never under a lock)."""
         record, src = item
         written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
         if written != len(src):
             raise OSError(f"short write to {self.slab_path}: {written} of {len(src)} bytes")
         with self._counter_lock:
             self.bytes_written += written
-        return xxhash.xxh3_64_intdigest(src[: self.layout.page_bytes])
+        page = src[: self.layout.page_bytes]
+        checksum = xxhash.xxh3_64_intdigest(page)
+        return checksum, self.sealer.seal(self._identity(record), page, checksum)
+
+    def _identity(self, record: PageRecord) -> PageIdentity:
+        return PageIdentity(self.layout.layout_id, record.namespace, record.key)
 
     def _flush_every(self, interval: float) -> None:
         while not self._stop_flusher.wait(interval):
@@ -322,9 +360,11 @@ class DiskTier:
         self._env.sync(True)
 
     def read_page(self, record: PageRecord, dest: memoryview) -> bool:
-        """Read a page into an aligned destination slot and verify it.
+        """Read a page into an aligned destination slot and verify it: its checksum, and its
+        seal as the record's namespace and key.
 
-        False means the page is corrupt or torn: the caller must drop it (and it is counted).
+        False means the page is corrupt, torn or misbound: the caller must drop it (and it
+        is counted).
         """
         if len(dest) != self.layout.slot_bytes:
             raise ValueError(f"destination must be one whole slot of {self.layout.slot_bytes} bytes")
@@ -336,9 +376,18 @@ class DiskTier:
         self._works("read")
         with self._counter_lock:
             self.bytes_read += got
-        if got != len(dest) or xxhash.xxh3_64_intdigest(dest[: record.length]) != record.checksum:
-            self.corrupt_pages += 1
+        page = dest[: record.length]
+        if got != len(dest) or xxhash.xxh3_64_intdigest(page) != record.checksum:
+            with self._counter_lock:
+                self.corrupt_pages += 1
             log.warning("dropping corrupt page in slot %d of %s", record.slot, self.slab_path)
+            return False
+        if not self.sealer.check(self._identity(record), page, record.checksum, record.seal_kind, record.seal):
+            with self._counter_lock:
+                self.corrupt_pages += 1
+                self.misbound_pages += 1
+            log.warning("dropping misbound page in slot %d of %s: its index entry is sealed as another key's or "
+                        "namespace's (moved there), or with another seal_key_file", record.slot, self.slab_path)
             return False
         return True
 

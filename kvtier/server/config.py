@@ -21,6 +21,7 @@ from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.redis import ClusterAddress
 from kvtier.mechanism.disk import FsyncPolicy
+from kvtier.mechanism.seal import Sealer
 from kvtier.policy import AdmissionName, PolicyName
 from kvtier.policy.admission import DEFAULT_THRESHOLD
 from kvtier.units import parse_size
@@ -94,6 +95,7 @@ class TiersConfig:
     arena_prefix: str
     max_pools: int
     warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
+    seal_key_file: str  # "" = seals are unkeyed checksums (kvtier.mechanism.seal); a secret file = keyed MACs
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once.", metavar="N"),
     Option("warm_restart_window", "tiers", DURATION_OR_ZERO, "5m",
            "How long the arena keeper holds a crashed daemon's host pages for its successor (0 = a crash loses them)."),
+    Option("seal_key_file", "tiers", PATH, "", "Secret (>= 16 bytes, mode 0600) that seals disk and cluster pages "
+           "to their key with a keyed MAC; shared by every node of a cluster.", shown="none"),
     Option("cluster", "cluster", TEXT, "", "Cluster tier below disk, shared by nodes: redis://[USER[:PASSWORD]@]HOST:PORT,"
            "HOST:PORT (Redis or Valkey Cluster; rediss:// for TLS).", shown="off", field="url", metavar="URL"),
     Option("cluster_password_file", "cluster", PATH, "", "File holding the cluster password (overrides the URL's).",
@@ -475,6 +479,11 @@ def _validate(cfg: DaemonConfig) -> None:
                               "(disk_size > 0); use commit")
         if cfg.cluster.timeout <= 0:
             raise ConfigError("cluster_timeout must be positive")
+    if tiers.seal_key_file:
+        try:
+            Sealer.from_file(tiers.seal_key_file)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.metrics.port < 0 or cfg.metrics.port > 65535:
         raise ConfigError("metrics_port must be 0 (off) or a TCP port")
 

@@ -49,7 +49,8 @@ class _StoreCollector:
         self._sessions = sessions
 
     def collect(self) -> Iterator[Metric]:
-        pools = [(pool.pool_id, pool.layout.page_bytes, stats) for pool, stats in self._snapshot()]
+        snapshot = self._snapshot()
+        pools = [(pool.pool_id, pool.layout.page_bytes, stats) for pool, stats in snapshot]
         sessions = self._sessions()
         labels = ["pool", "tier"]
         capacity = GaugeMetricFamily("kvtier_tier_capacity_pages", "Pages a tier can hold.", labels=labels)
@@ -74,6 +75,13 @@ class _StoreCollector:
             "kvtier_admission_refused", "Host pages not written to a tier as they left host: its admission policy refused them.",
             labels=labels,
         )
+        misbound = CounterMetricFamily(
+            "kvtier_misbound_pages", "Of the corrupt pages, the intact ones sealed as another key's, namespace's or "
+            "layout's (moved there), or with another seal_key_file: dropped, never served.", labels=labels,
+        )
+        for pool, _ in snapshot:
+            for tier, count in pool.misbound_pages().items():
+                misbound.add_metric([pool.pool_id, tier.label], count)
         leases = GaugeMetricFamily("kvtier_leases", "Open leases.", labels=["pool"])
         for pool_id, page_bytes, stats in pools:
             leases.add_metric([pool_id], stats.leases)
@@ -108,7 +116,7 @@ class _StoreCollector:
         yield arrivals
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
-        yield from (capacity, capacity_bytes, pages, hits, evictions, promotions, demotions, moved, corrupt,
+        yield from (capacity, capacity_bytes, pages, hits, evictions, promotions, demotions, moved, corrupt, misbound,
                     io_errors, refused, leases, session_gauge)
 
 
@@ -190,7 +198,7 @@ class _ClusterCollector:
         dropped = counter("kvtier_cluster_writes_dropped", "Committed pages not written: the writer's queue was full "
                                                             "or the cluster failing.")
         faults = counter("kvtier_cluster_faults", "Keys whose cluster call failed, by kind (unavailable, timeout, moved, "
-                                                  "full, corrupt, other): each one a miss.", ("kind",))
+                                                  "full, corrupt, misbound, other): each one a miss.", ("kind",))
         memory = GaugeMetricFamily("kvtier_cluster_memory_bytes", "The cluster's own memory figures summed over its "
                                    "primaries: used, and limit (maxmemory; 0 = none).", labels=["pool", "kind"])
         queued = GaugeMetricFamily("kvtier_cluster_write_queue_bytes", "Committed pages waiting for the cluster writer.",

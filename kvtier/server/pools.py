@@ -32,6 +32,7 @@ from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ArenaMover, ClusterParts
+from kvtier.mechanism.seal import Sealer
 from kvtier.policy import POLICIES, AdmissionName, PolicyName, make_admission
 from kvtier.policy.admission import DEFAULT_THRESHOLD
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
@@ -77,7 +78,7 @@ class PoolConfig:
 
 
 def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, host_bytes: int,
-                  max_queued_prefetch: int, throughput: Throughput,
+                  max_queued_prefetch: int, throughput: Throughput, sealer: Sealer,
                   observer: LatencyObserver | None = None) -> ClusterParts:
     """One pool's cluster tier: its stores (the default user, and one per namespace listed
     in the ACL file), its readers (their reads measure `throughput`: unmeasured until the
@@ -96,7 +97,7 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
         for namespace, user in read_toml(config.acl_file, "cluster_acl_file").get("namespaces", {}).items():
             per_namespace[namespace] = store(str(user["username"]), str(user.get("password", "")) or None)
     tier = ClusterTier(store(password=password), page_bytes=layout.page_bytes, layout_id=layout.layout_id,
-                       prefix=config.prefix, namespace_stores=per_namespace, observer=observer)
+                       prefix=config.prefix, namespace_stores=per_namespace, observer=observer, sealer=sealer)
     reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch, throughput=throughput)
     writer = None
     if config.write is not ClusterWrite.OFF:
@@ -109,12 +110,13 @@ class Pool:
     def __init__(
         self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None, *,
         keeper: KeeperClient | None = None, kept: list[KeptFile] = (), cluster: ClusterConfig | None = None,
-        cluster_observer: LatencyObserver | None = None,
+        cluster_observer: LatencyObserver | None = None, sealer: Sealer | None = None,
     ) -> None:
         """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics.
         `keeper` holds the host memory for a successor; `kept` is what a crashed
         predecessor left there for this layout (adopted). `cluster` (with a url): a cluster
-        tier below the others; `cluster_observer` hears the latency of its batches."""
+        tier below the others; `cluster_observer` hears the latency of its batches. `sealer`
+        seals disk and cluster pages to their identity (unkeyed by default)."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
         device_pages = layout.pages_in(config.device_bytes, "device") if config.device_bytes else 0
@@ -143,6 +145,7 @@ class Pool:
                 self.disk = DiskTier(
                     os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages,
                     fsync=config.fsync, fsync_interval=config.fsync_interval, io_depth=config.io_depth,
+                    sealer=sealer,
                 )
                 disk_dir, depth = self.disk.directory, config.io_depth
                 self.bandwidth[Tier.DISK] = Throughput(lambda: probe_disk_reads(disk_dir, layout.slot_bytes, depth))
@@ -153,7 +156,7 @@ class Pool:
             if cluster is not None and cluster.url:
                 self.bandwidth[Tier.CLUSTER] = Throughput()
                 self.cluster = cluster_parts(cluster, layout, self.host, config.host_bytes, config.max_queued_prefetch,
-                                             self.bandwidth[Tier.CLUSTER], cluster_observer)
+                                             self.bandwidth[Tier.CLUSTER], sealer or Sealer(), cluster_observer)
             self.store = BlockStore(
                 layout,
                 host_pages=host_pages,
@@ -194,11 +197,21 @@ class Pool:
         s, value_bytes = self.cluster.tier.stats(), self.cluster.tier.value_bytes
         cached = s.memory.used // value_bytes if s.memory else 0
         capacity = max(s.memory.limit // value_bytes, cached) if s.memory else 0
-        faults = sum(n for kind, n in s.faults.items() if kind is not FaultKind.CORRUPT)
-        counters = TierCounters(hits=s.found, bytes_in=s.bytes_written, corrupt_pages=s.faults[FaultKind.CORRUPT],
-                                io_errors=faults)
+        dropped = (FaultKind.CORRUPT, FaultKind.MISBOUND)  # values that failed verification, not faults of the store
+        faults = sum(n for kind, n in s.faults.items() if kind not in dropped)
+        counters = TierCounters(hits=s.found, bytes_in=s.bytes_written, io_errors=faults,
+                                corrupt_pages=sum(s.faults[kind] for kind in dropped))
         row = TierUsage(Tier.CLUSTER, capacity, capacity - cached, 0, cached, 0, 0, 0, counters)
         return replace(usage, tiers=(*usage.tiers, row))
+
+    def misbound_pages(self) -> dict[Tier, int]:
+        """Pages dropped by the lower tiers because their seal named another identity."""
+        counts = {}
+        if self.disk is not None:
+            counts[Tier.DISK] = self.disk.misbound_pages
+        if self.cluster is not None:
+            counts[Tier.CLUSTER] = self.cluster.tier.stats().faults[FaultKind.MISBOUND]
+        return counts
 
     # -- the byte slow path: page bytes over gRPC, for clients on another host ----------
     def read_pages(self, session: SessionId, lease_id: LeaseId) -> list[bytes]:
@@ -290,6 +303,7 @@ class PoolRegistry:
         gives every pool a cluster tier (`cluster_observer` hears its batches' latency);
         `events` is told what every pool stores and drops (KV events)."""
         self._config = PoolConfig.from_tiers(tiers)
+        self._sealer = Sealer.from_file(tiers.seal_key_file)  # checked when the configuration was loaded
         self._cluster = cluster
         self._cluster_observer = cluster_observer
         self._events = events
@@ -339,7 +353,7 @@ class PoolRegistry:
             try:
                 pool = Pool(layout, self._config, observer=self._observer, keeper=self._keeper,
                             kept=self._kept.pop(layout.layout_id, []), cluster=self._cluster,
-                            cluster_observer=self._cluster_observer)
+                            cluster_observer=self._cluster_observer, sealer=self._sealer)
             except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
             except DiskLayoutMismatch as exc:  # the operator's to fix; the log says so too

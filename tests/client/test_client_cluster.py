@@ -75,12 +75,14 @@ def nodes(redis_cluster, daemons, tmp_path):
     def node(name: str, *extra: str) -> KVTierClient:
         (tmp_path / name).mkdir()
         d = daemons("--cluster", redis_cluster.url, "--cluster-timeout", "300ms", *extra, path=tmp_path / name)
+        node.daemons.append(d)
         client = KVTierClient(d.target)
         client.register("tenant", LAYOUT)
         opened.append(client)
         return client
 
     node.cluster = redis_cluster
+    node.daemons = []
     yield node
     for client in opened:
         client.close()
@@ -321,3 +323,70 @@ def test_a_tls_cluster(daemons, tmp_path):
         for client in clients:
             client.close()
         cluster.stop()
+
+
+def move_value(cluster, src: bytes, dst: bytes) -> None:
+    """Copy the whole value (header and page) of cluster key `src` over `dst`, as anyone
+    with write access to the store could."""
+    cluster.hset(dst, mapping={b"h": cluster.hget(src, b"h"), b"p": cluster.hget(src, b"p")})
+
+
+def test_a_value_moved_from_another_namespace_is_a_miss_and_a_counter(nodes):
+    a, b = nodes("a"), nodes("b")
+    keys, data = committed_on(a, b, seed=8, blocks=4)
+    with KVTierClient(a.target) as other:  # another tenant commits a prompt on node A
+        other.register("other-tenant", LAYOUT)
+        (other_keys, other_data), = write_prompts(other, 1, seed=80, blocks=4)
+    cluster = nodes.cluster.client()
+    wait_until(lambda: cluster.exists(cluster_key("kvtier", LAYOUT.layout_id, "other-tenant", other_keys[3])),
+               what="the other tenant's pages in the cluster")
+    move_value(cluster, cluster_key("kvtier", LAYOUT.layout_id, "other-tenant", other_keys[2]),
+               cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[2]))
+    with pytest.raises(NotFound, match="key 2"):
+        b.acquire(keys)
+    assert read_checked(b, keys, data) == 2  # the good pages before it, never the moved one
+    assert b.lookup(keys).hit_blocks == 2  # the moved value was deleted from the cluster
+    row = cluster_row(b, b.pool.pool_id)
+    assert row.corrupt_pages == 1 and row.io_errors == 0
+    assert "sealed as another key's, namespace's or layout's" in nodes.daemons[1].log()
+
+
+def test_values_swapped_between_keys_of_one_namespace_are_misses(nodes):
+    a, b = nodes("a"), nodes("b")
+    keys, data = committed_on(a, b, seed=9, blocks=4)
+    cluster = nodes.cluster.client()
+    first, second = (cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys[i]) for i in (1, 3))
+    saved = {k: (cluster.hget(k, b"h"), cluster.hget(k, b"p")) for k in (first, second)}
+    for dst, src in ((first, second), (second, first)):
+        cluster.hset(dst, mapping={b"h": saved[src][0], b"p": saved[src][1]})
+    assert read_checked(b, keys, data) == 1
+    assert cluster_row(b, b.pool.pool_id).corrupt_pages == 2  # both were loaded, both misbound
+
+
+def test_with_a_seal_key_a_forged_or_foreign_value_is_a_miss(nodes, tmp_path):
+    secret = tmp_path / "seal.key"
+    secret.write_bytes(b"a secret every node of this cluster shares")
+    secret.chmod(0o600)
+    a, b = nodes("a", "--seal-key-file", str(secret)), nodes("b", "--seal-key-file", str(secret))
+    keys, data = committed_on(a, b, seed=10, blocks=3)  # nodes with the same secret share pages
+    assert read_checked(b, keys, data) == 3
+    # A writer without the secret forges a value for a fresh key: header, checksum and an
+    # unkeyed seal all as kvtier writes them. A node without a secret would take it.
+    from kvtier.mechanism.cluster.values import header, layout_hash
+    from kvtier.mechanism.seal import PageIdentity, Sealer
+
+    forged_keys, forged_data = b.block_keys(tokens(32, seed=11)), kv_pages(2, LAYOUT, seed=11)
+    cluster = nodes.cluster.client()
+    for key, payload in zip(forged_keys, forged_data):
+        page = memoryview(bytes(payload))
+        head = header(layout_hash(LAYOUT.layout_id), PageIdentity(LAYOUT.layout_id, "tenant", key), Sealer(), page)
+        cluster.hset(cluster_key("kvtier", LAYOUT.layout_id, "tenant", key), mapping={b"h": head, b"p": bytes(page)})
+    assert b.lookup(forged_keys).hit_blocks == 2  # present in the cluster...
+    with pytest.raises(NotFound, match="key 0"):
+        b.acquire(forged_keys)  # ...but never served
+    c = nodes("c")  # a node without the secret: the keyed values are not its either
+    keys2, _ = write_prompts(a, 1, seed=12, blocks=2)[0]
+    wait_until(lambda: cluster.exists(cluster_key("kvtier", LAYOUT.layout_id, "tenant", keys2[1])),
+               what="node A's pages in the cluster")
+    with pytest.raises(NotFound, match="key 0"):
+        c.acquire(keys2)

@@ -24,6 +24,7 @@ class FaultKind(str, enum.Enum):
     MOVED = "moved"  # the slot map changed under us (resharding, failover) and retries ran out
     FULL = "full"  # the store refused a write: maxmemory with a noeviction policy
     CORRUPT = "corrupt"  # a value failed its header or checksum (dropped, never served)
+    MISBOUND = "misbound"  # an intact value sealed as another key's, namespace's or secret's (dropped, never served)
     OTHER = "other"  # anything else the store answered with an error
 
     def __str__(self) -> str:

@@ -3,8 +3,10 @@
 Every fault is a miss: a dead shard, a failover or reshard in progress, a timeout, an
 evicted key (maxmemory), a cluster that is down. It is counted by kind, logged once when
 an episode of faults begins and once when calls succeed again, and never raised to the
-caller. A value that fails its header or checksum is deleted from the store and counted:
-no node reads it again.
+caller. A value that fails its header or checksum (corrupt), or whose seal is not that of
+the key it was read under (misbound: moved from another key or namespace, or sealed with
+another secret; kvtier.mechanism.seal), is deleted from the store and counted: no node
+reads it again.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
-from kvtier.mechanism.cluster.values import HEADER, cluster_key, decode_into, header, layout_hash
+from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
+from kvtier.mechanism.seal import PageIdentity, Sealer
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,9 @@ class ClusterTier:
 
     def __init__(self, store: RemoteStore, *, page_bytes: int, layout_id: str, prefix: str = "kvtier",
                  namespace_stores: Mapping[str, RemoteStore] | None = None,
-                 observer: LatencyObserver | None = None) -> None:
+                 observer: LatencyObserver | None = None, sealer: Sealer | None = None) -> None:
         self.store = store
+        self.sealer = sealer or Sealer()
         self.page_bytes = page_bytes
         self.layout_id = layout_id
         self.prefix = prefix
@@ -79,29 +83,41 @@ class ClusterTier:
         return found
 
     def read(self, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
-        """Fetch each key's page into its view; False where it is absent, failed, or corrupt
-        (a corrupt value is deleted from the store)."""
+        """Fetch each key's page into its view; False where it is absent, failed, corrupt or
+        misbound (such a value is deleted from the store)."""
         replies = self._call("get", namespace, lambda s, ks: s.get(ks), keys)
-        ok, corrupt = [], []
+        ok, bad = [], {Verdict.CORRUPT: [], Verdict.MISBOUND: []}
         absent = 0
         for key, reply, view in zip(keys, replies, views):
-            good = isinstance(reply, tuple) and decode_into(self._layout, *reply, view)
-            if not good and isinstance(reply, tuple):
-                corrupt.append(key)
+            verdict = None
+            if isinstance(reply, tuple):
+                verdict = decode_into(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
+                if verdict is not Verdict.GOOD:
+                    bad[verdict].append(key)
             absent += reply is None
-            ok.append(good)
-        if corrupt:
-            with self._lock:
-                self._stats.faults[FaultKind.CORRUPT] += len(corrupt)
-            log.warning("cluster tier: %d values of %r failed their header or checksum; deleted, never served",
-                        len(corrupt), namespace, extra={"pool": self.layout_id, "fault": FaultKind.CORRUPT.value})
-            self._call("delete", namespace, lambda s, ks: s.delete(ks), corrupt)
+            ok.append(verdict is Verdict.GOOD)
+        if bad[Verdict.CORRUPT]:
+            self._drop(namespace, bad[Verdict.CORRUPT], FaultKind.CORRUPT, "failed their header or checksum")
+        if bad[Verdict.MISBOUND]:
+            self._drop(namespace, bad[Verdict.MISBOUND], FaultKind.MISBOUND,
+                       "are sealed as another key's, namespace's or layout's (moved there), or with another "
+                       "seal_key_file than this node's (every node must share one)")
         pages = sum(ok)
         with self._lock:
             self._stats.pages_read += pages
             self._stats.bytes_read += pages * self.page_bytes
             self._stats.read_misses += absent
         return ok
+
+    def _drop(self, namespace: str, keys: list[bytes], kind: FaultKind, why: str) -> None:
+        with self._lock:
+            self._stats.faults[kind] += len(keys)
+        log.warning("cluster tier: %d values of %r %s; deleted, never served", len(keys), namespace, why,
+                    extra={"pool": self.layout_id, "fault": kind.value})
+        self._call("delete", namespace, lambda s, ks: s.delete(ks), keys)
+
+    def identity(self, namespace: str, key: bytes) -> PageIdentity:
+        return PageIdentity(self.layout_id, namespace, key)
 
     def write(self, namespace: str, items: Sequence[tuple[bytes, memoryview]]) -> int:
         """Store each (key, page); returns how many were stored."""
@@ -112,7 +128,8 @@ class ClusterTier:
         """Store each (key, page); whether each was stored. `checksums`: each page's xxh3-64
         where already known (the host tier computed it at commit), None to compute it."""
         sums = checksums or [None] * len(items)
-        values = [(key, (header(self._layout, page, checksum), page)) for (key, page), checksum in zip(items, sums)]
+        values = [(key, (header(self._layout, self.identity(namespace, key), self.sealer, page, checksum), page))
+                  for (key, page), checksum in zip(items, sums)]
         replies = self._call("put", namespace, lambda s, kvs: s.put(kvs), values, keyed=True)
         ok = [r is True for r in replies]
         stored = sum(ok)

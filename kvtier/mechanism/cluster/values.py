@@ -4,28 +4,44 @@ Key: `<prefix>:<layout id>:<namespace, percent-quoted>:<block key, hex>`. Printa
 operator can read it in `redis-cli` and write ACL key patterns per namespace
 (`~kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never share a key.
 
-Value: a 32-byte header and the page, stored as two parts of one value (RemoteStore):
+Value: a 48-byte header and the page, stored as two parts of one value (RemoteStore):
 
     offset  size  field
     0       4     magic b"KVTP"
-    4       1     format version (1)
-    5       3     zero
+    4       1     format version (2)
+    5       1     seal kind (kvtier.mechanism.seal.SealKind: 0 checksum, 1 keyed)
+    6       2     zero
     8       8     layout hash (first 8 bytes of the layout id's digest), little-endian
     16      8     page length in bytes, little-endian
     24      8     xxh3-64 of the page bytes, little-endian
+    32      16    seal of the page as (layout, namespace, block key)'s (kvtier.mechanism.seal)
 
-A value whose header or checksum does not match is corrupt: dropped, never served.
+A value whose header or checksum does not match is corrupt (so is a value of format 1,
+written before seals: it binds no key); one whose seal does not match the key it was read
+under is misbound (moved from another key or namespace, or sealed with another secret).
+Both are dropped, never served.
 """
 from __future__ import annotations
 
+import enum
 import struct
 from urllib.parse import quote
 
 import xxhash
 
+from kvtier.mechanism.seal import PageIdentity, Sealer
+
 MAGIC = b"KVTP"
-VERSION = 1
-HEADER = struct.Struct("<4sB3xQQQ")
+VERSION = 2
+HEADER = struct.Struct("<4sBB2xQQQ16s")
+
+
+class Verdict(enum.Enum):
+    """What a fetched value turned out to be."""
+
+    GOOD = "good"
+    CORRUPT = "corrupt"  # a header, length or checksum that does not hold (or an older format)
+    MISBOUND = "misbound"  # intact, but sealed as another key's, namespace's or secret's
 
 
 def cluster_key(prefix: str, layout_id: str, namespace: str, key: bytes) -> bytes:
@@ -36,23 +52,26 @@ def layout_hash(layout_id: str) -> int:
     return int(layout_id[:16].ljust(16, "0"), 16)
 
 
-def header(layout: int, page: memoryview, checksum: int | None = None) -> bytes:
-    """The header of `page` (`checksum`: its xxh3-64 if already known); the page itself is
-    stored as it is."""
+def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview, checksum: int | None = None) -> bytes:
+    """The header of `page` stored as `identity` (`checksum`: its xxh3-64 if already
+    known); the page itself is stored as it is."""
     if checksum is None:
         checksum = xxhash.xxh3_64_intdigest(page)
-    return HEADER.pack(MAGIC, VERSION, layout, page.nbytes, checksum)
+    return HEADER.pack(MAGIC, VERSION, sealer.kind, layout, page.nbytes, checksum, sealer.seal(identity, page, checksum))
 
 
-def decode_into(layout: int, head: bytes, page: bytes, out: memoryview) -> bool:
-    """Copy `page` into `out` if its header `head` and checksum hold; False if not (the
-    caller drops it)."""
+def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, page: bytes,
+                out: memoryview) -> Verdict:
+    """Copy `page` into `out` if its header, checksum and seal as `identity` hold; otherwise
+    say what is wrong (the caller drops it) and leave `out` alone."""
     if len(head) != HEADER.size or len(page) != out.nbytes:
-        return False
-    magic, version, their_layout, length, checksum = HEADER.unpack(head)
+        return Verdict.CORRUPT
+    magic, version, kind, their_layout, length, checksum, seal = HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or their_layout != layout or length != out.nbytes:
-        return False
+        return Verdict.CORRUPT
     if xxhash.xxh3_64_intdigest(page) != checksum:
-        return False
+        return Verdict.CORRUPT
+    if not sealer.check(identity, page, checksum, kind, seal):
+        return Verdict.MISBOUND
     out[:] = page
-    return True
+    return Verdict.GOOD
