@@ -12,7 +12,8 @@ import pytest
 from client_helpers import LAYOUT, as_bytes, kv_pages, tokens
 from kvtier_client import KVTierClient, NotFound, PageLayout, Tier
 
-from kvtier.mechanism.cluster.values import cluster_key
+from kvtier.mechanism.cluster.values import cluster_key, header, layout_hash
+from kvtier.mechanism.seal import PageIdentity, Sealer
 
 
 def write_blocks(client, keys, data):
@@ -372,9 +373,6 @@ def test_with_a_seal_key_a_forged_or_foreign_value_is_a_miss(nodes, tmp_path):
     assert read_checked(b, keys, data) == 3
     # A writer without the secret forges a value for a fresh key: header, checksum and an
     # unkeyed seal all as kvtier writes them. A node without a secret would take it.
-    from kvtier.mechanism.cluster.values import header, layout_hash
-    from kvtier.mechanism.seal import PageIdentity, Sealer
-
     forged_keys, forged_data = b.block_keys(tokens(32, seed=11)), kv_pages(2, LAYOUT, seed=11)
     cluster = nodes.cluster.client()
     for key, payload in zip(forged_keys, forged_data):
