@@ -150,8 +150,8 @@ class BlockIndex:
     def __init__(self, tiers: Iterable[TierState], *, host_reused: bool = False,
                  history_size: int = DEFAULT_HISTORY_SIZE) -> None:
         """`host_reused`: the host arena held pages before (adopted after a crash), so no
-        free slot may be assumed clean. `history_size`: departed blocks remembered per
-        namespace."""
+        free slot may be assumed clean. `history_size`: departed blocks remembered, all
+        namespaces together."""
         self.tiers: dict[Tier, TierState] = {state.tier: state for state in sorted(tiers, key=lambda s: s.tier)}
         self.blocks: dict[Ref, Block] = {}
         self.requests = RequestCounters()
@@ -270,13 +270,13 @@ class BlockIndex:
         """Count why each of `keys` (a lookup's keys after its hit prefix) missed: one look-up
         in the index, and for a key not there one in the history."""
         misses = self.namespaces[namespace].misses
-        blocks, gone = self.blocks, self.history.of(namespace)
+        blocks, why = self.blocks, self.history.reason
         for key in keys:
-            if (namespace, key) in blocks:
+            ref = (namespace, key)
+            if ref in blocks:
                 misses[_BEYOND_PREFIX] += 1
             else:
-                entry = gone.get(key)  # its reason's value: equal to the MissReason
-                misses[_NEVER_STORED if entry is None else entry[0]] += 1
+                misses[why(ref) or _NEVER_STORED] += 1
 
     def start_writing(self, namespace: str, slots: list[Slot], tier: Tier = _HOST) -> None:
         """Slots being written for `namespace` (host: leased to a writer; disk: a store in

@@ -111,6 +111,9 @@ class StoreUsage:
     ready_on_arrival: int = 0  # of those, already in the target tier and loaded
     loading: int = 0  # host pages whose load is in flight or queued
     namespaces: tuple[NamespaceUsage, ...] = ()  # every namespace that has used the store
+    history_entries: int = 0  # the miss history: departed blocks remembered, all namespaces together
+    history_limit: int = 0  # the most it remembers
+    history_bytes: int = 0  # its estimated size
 
     def tier(self, tier: Tier) -> TierUsage | None:
         return next((t for t in self.tiers if t.tier == tier), None)

@@ -118,7 +118,7 @@ class BlockStore:
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
-    the index remembered per namespace, to explain misses. `cluster`: the mover has a
+    the index remembered (all namespaces together), to explain misses. `cluster`: the mover has a
     cluster tier (`cluster_write`: when pages are copied to it).
     """
 
@@ -363,6 +363,7 @@ class BlockStore:
         return StoreUsage(
             tuple(tiers), r.lookup_blocks, r.miss_blocks, len(self._leases.leases), len(self._leases.sessions),
             r.acquired_pages, r.ready_on_arrival, r.loads_in_flight, by_namespace,
+            len(self._index.history), self._index.history.size, self._index.history.estimated_bytes,
         )
 
     def _namespace_usage(self, namespace: str, counters: NamespaceCounters) -> NamespaceUsage:

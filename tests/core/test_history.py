@@ -3,6 +3,7 @@ bookkeeping mover (no bytes; a subclass fails the checksum of chosen disk pages)
 from __future__ import annotations
 
 import time
+import tracemalloc
 from dataclasses import asdict
 
 import pytest
@@ -10,6 +11,7 @@ from kvtier_client.errors import NotFound
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockState, BlockStore, MissReason
+from kvtier.core.history import ENTRY_BYTES, MissHistory
 from kvtier.core.bookkeeping import BookkeepingMover
 from kvtier.core.invariants import check_invariants
 from kvtier.core.ports import LoadJob
@@ -132,7 +134,7 @@ def test_committing_a_key_again_clears_its_record():
     assert states(s, [b"a"]) == [BlockState.EVICTED]
     put(s, b"a")
     assert states(s, [b"a", b"b"]) == [BlockState.CACHED, BlockState.EVICTED]
-    assert b"a" not in s._index.history.of(NS)
+    assert s._index.history.departure(NS, b"a") is None
     put(s, b"c")  # a evicted again: recorded afresh
     assert states(s, [b"a"]) == [BlockState.EVICTED]
 
@@ -145,6 +147,36 @@ def test_the_history_forgets_its_oldest_records_first():
     # k0..k4 were evicted; only the last three are remembered.
     assert states(s, keys) == [BlockState.NEVER_STORED] * 2 + [BlockState.EVICTED] * 3 + [BlockState.BEYOND_PREFIX]
     assert states(store(host=1, history_size=0), [b"x"]) == [BlockState.NEVER_STORED]
+
+
+def test_the_history_is_bounded_in_total_not_per_namespace():
+    """A client that misses in ever more namespaces grows it no further than its size; stats
+    give its entries, limit and estimated bytes."""
+    s = store(host=1, history_size=50)
+    for i in range(200):
+        put(s, b"k", ns=f"ns-{i}")  # each evicts the previous namespace's k
+    usage = s.stats()
+    assert (usage.history_entries, usage.history_limit) == (50, 50)
+    assert usage.history_bytes == 50 * ENTRY_BYTES
+    assert states(s, [b"k"], ns="ns-100") == [BlockState.NEVER_STORED]  # forgotten: among the oldest
+    assert states(s, [b"k"], ns="ns-198") == [BlockState.EVICTED]
+
+
+def test_an_entry_costs_about_what_stats_estimate():
+    """ENTRY_BYTES against tracemalloc: refs of 16-byte keys (what xxh3-128 keys are), made
+    as the index makes them, then kept only by the history."""
+    history = MissHistory(size=20_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20_000):
+            history.record((NS, i.to_bytes(16, "big")), MissReason.EVICTED, Tier.HOST, time.monotonic(), "lru")
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+    finally:
+        tracemalloc.stop()
+    assert 0.7 * ENTRY_BYTES < per_entry < 1.3 * ENTRY_BYTES, per_entry
+    departure = history.departure(NS, (19_999).to_bytes(16, "big"))
+    assert (departure.reason, departure.tier, departure.policy) == (MissReason.EVICTED, Tier.HOST, "lru")
 
 
 def test_a_negative_history_size_is_refused():
