@@ -12,9 +12,11 @@ On the ZMQ socket every message is vLLM's three frames:
 
 The endpoint is bound or connected as vLLM decides: bound when it has a wildcard ("*",
 "::") or is ipc:// or inproc://, connected otherwise (llm-d's indexer binds and engines
-connect to it). ZMQ has no authentication: anyone who reaches the endpoint reads every
-namespace's block keys and token ids, so bind it where only the routers can reach it
-(docs/events.md). WatchEvents is the authorised way to watch.
+connect to it), which the daemon does only when told (kvtier.events.access). Only the
+namespaces on the endpoint's list go out on it. Plain ZMQ has no authentication: anyone who
+reaches the endpoint reads those namespaces' block keys and token ids; with CurveZMQ
+(kvtier.events.curve) only the listed client keys do. WatchEvents is the authorised way to
+watch one tenant's namespaces.
 """
 from __future__ import annotations
 
@@ -25,14 +27,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 from kvtier_client.errors import CapacityError
+from zmq.auth.thread import ThreadAuthenticator
 
+from kvtier.events.access import EndpointAccess, connect_refusal
+from kvtier.events.curve import serve_curve
 from kvtier.events.records import Event, EventKind, Record, coalesce
 from kvtier.events.sink import PoolEvents
 from kvtier.events.watch import Watcher
 from kvtier.events.wire import Encoder, EventFormat
+
+if TYPE_CHECKING:
+    from kvtier.server.config import EventsConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +73,14 @@ def _binds(endpoint: str) -> bool:
 class EventPublisher:
     """`endpoint`: where to publish over ZMQ (None: only to WatchEvents). `topic`: the
     template of each namespace's topic ({host}, {namespace}). `layout`: how events are laid
-    out in a batch (kvtier.events.wire.EventFormat)."""
+    out in a batch (kvtier.events.wire.EventFormat). `access`: which namespaces go out on
+    the endpoint, whether it may be dialled out to, and its CURVE keys (by default: every
+    namespace, bind only, plain)."""
 
     def __init__(self, endpoint: str | None, *, topic: str = DEFAULT_TOPIC, layout: EventFormat | str = EventFormat.MAP,
-                 buffer_records: int = BUFFER_RECORDS) -> None:
+                 buffer_records: int = BUFFER_RECORDS, access: EndpointAccess = EndpointAccess()) -> None:
+        if endpoint and not _binds(endpoint) and not access.connect:
+            raise ValueError(connect_refusal(endpoint))
         try:
             topic.format(host="h", namespace="n")
         except (KeyError, IndexError, ValueError) as exc:
@@ -77,11 +90,14 @@ class EventPublisher:
         self._host = socket.gethostname()
         self._encoder = Encoder(EventFormat(layout))
         self._buffer_records = buffer_records
+        self._access = access
+        self._authenticator: ThreadAuthenticator | None = None  # CurveZMQ's ZAP handler
         self._ready = threading.Event()  # a sink has records
         self._sinks: list[PoolEvents] = []
         self._context = zmq.Context() if endpoint else None
         self._socket = self._open(endpoint) if endpoint else None
-        self._topics: dict[str, bytes] = {}  # namespace -> its topic, once published
+        self._topics: dict[str, bytes] = {}  # namespace -> its topic, once published on ZMQ
+        self._named: dict[str, None] = {}  # every namespace with events so far, in order: each is cleared at close
         self._sequence: Counter[str] = Counter()  # namespace -> its next sequence number
         self._watchers: list[Watcher] = []
         self._lock = threading.Lock()  # the sinks, the watchers and the counters
@@ -91,21 +107,39 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def configured(cls, events: "EventsConfig", *, tenants: bool) -> "EventPublisher":
+        """The daemon's publisher, from its events options (`events.endpoint` set); `tenants`:
+        namespaces are authorised by tokens (kvtier.events.access). Raises ValueError naming
+        the option to fix."""
+        return cls(events.endpoint, topic=events.topic, layout=events.format,
+                   access=EndpointAccess.configured(events, tenants=tenants))
+
     def _open(self, endpoint: str) -> zmq.Socket:
         pub = self._context.socket(zmq.PUB)
         pub.set_hwm(HWM)
         pub.setsockopt(zmq.LINGER, LINGER_MS)
         try:
+            if self._access.curve is not None:
+                self._authenticator = serve_curve(self._context, pub, self._access.curve)
             if _binds(endpoint):
                 pub.bind(endpoint)
             else:
                 pub.connect(endpoint)
         except zmq.ZMQError as exc:
-            pub.close(linger=0)
-            self._context.term()
+            self._end_socket(pub, linger=0)
             raise ValueError(f"cannot {'bind' if _binds(endpoint) else 'connect'} the KV events endpoint {endpoint!r}: "
                              f"{exc}; use e.g. tcp://*:5557 (bind) or tcp://indexer:5557 (connect)") from None
+        published = "every namespace" if self._access.namespaces is None else sorted(self._access.namespaces)
+        log.info("KV events: publishing on ZMQ", extra={"endpoint": endpoint, "namespaces": published,
+                                                       "curve": self._access.curve is not None})
         return pub
+
+    def _end_socket(self, pub: zmq.Socket, linger: int | None = None) -> None:
+        pub.close(linger)  # by default it lingers LINGER_MS for the last messages
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()
 
     # -- for the daemon ---------------------------------------------------------------
     def sink(self, block_size: int) -> PoolEvents:
@@ -158,8 +192,7 @@ class EventPublisher:
         self._ready.set()
         self._thread.join()
         if self._socket is not None:
-            self._socket.close()  # lingers LINGER_MS for the last messages
-            self._context.term()
+            self._end_socket(self._socket)
 
     # -- the thread ---------------------------------------------------------------------
     def _take(self) -> tuple[dict[str, list[Event]], Counter[str]]:
@@ -186,7 +219,7 @@ class EventPublisher:
             if self._closing:
                 break
         self._publish(*self._take())  # recorded while the last batch was sent
-        self._publish({ns: [Event(EventKind.CLEARED, ns, None, [])] for ns in list(self._topics)}, Counter())
+        self._publish({ns: [Event(EventKind.CLEARED, ns, None, [])] for ns in list(self._named)}, Counter())
         self.end_watches()
 
     def _publish(self, batches: dict[str, list[Event]], dropped: Counter[str]) -> None:
@@ -195,7 +228,8 @@ class EventPublisher:
         ts = time.time()
         sent = 0
         for namespace, events in batches.items():
-            if self._socket is not None:
+            self._named.setdefault(namespace)
+            if self._socket is not None and self._access.publishes(namespace):
                 sent += self._send(namespace, ts, events)
         with self._lock:
             watchers = list(self._watchers)

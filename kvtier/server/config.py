@@ -122,6 +122,10 @@ class EventsConfig:
     format: EventFormat  # map (vLLM >= 0.28) or array (the older layout llm-d parses)
 
 
+    namespaces: str  # published on ZMQ: "a,b" or "*"; "" = * without tokens, required with them (kvtier.events.access)
+    connect: bool  # may dial out to an endpoint without a wildcard (it gets every published prompt)
+    curve_secret_key_file: str  # the daemon's ZMQ secret certificate: CurveZMQ on ("" = plain ZMQ)
+    curve_clients_dir: str  # the public certificates (*.key) of the clients CurveZMQ lets in
 @dataclass(frozen=True)
 class SessionsConfig:
     session_timeout: float
@@ -363,6 +367,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
     Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),
     Option("log_format", "log", Kind.of(LogFormat), "json", "One JSON object per line, or plain text.", field="format"),
+    Option("events_namespaces", "events", TEXT, "", "Namespaces whose events go out on the ZMQ endpoint: NS,NS or * "
+           "(WatchEvents is not affected).", shown="* without tokens; required with tokens", field="namespaces",
+           metavar="NS,NS"),
+    Option("events_connect", "events", BOOL, False, "Let --events dial out to an endpoint without a wildcard: "
+           "whoever listens there gets the published token ids (prompts).", field="connect"),
+    Option("events_curve_secret_key_file", "events", PATH, "", "The daemon's ZMQ secret certificate: CurveZMQ on the "
+           "events endpoint (needs --events-curve-clients-dir).", shown="none", field="curve_secret_key_file"),
+    Option("events_curve_clients_dir", "events", TEXT, "", "Directory of the public certificates (*.key) of the "
+           "clients CurveZMQ lets in.", shown="none", field="curve_clients_dir", metavar="DIR"),
 )
 BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 

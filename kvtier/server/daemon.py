@@ -88,7 +88,8 @@ class Daemon:
         self.notifier = Notifier()
         ev = config.events
         try:
-            self.events = EventPublisher(ev.endpoint, topic=ev.topic, layout=ev.format) if ev.endpoint else None
+            tenants = config.auth.mode is AuthMode.TOKENS
+            self.events = EventPublisher.configured(ev, tenants=tenants) if ev.endpoint else None
         except ValueError as exc:
             raise ConfigError(f"events: {exc}") from None
         if self.events is not None:

@@ -69,7 +69,8 @@ VLLM_DECODER = textwrap.dedent(
 
 class Router:
     """A ZMQ SUB socket bound on loopback, subscribed to everything; the daemons connect to
-    it (tcp://127.0.0.1:PORT has no wildcard, so they connect, as vLLM's publisher does)."""
+    it (tcp://127.0.0.1:PORT has no wildcard, so they connect, as vLLM's publisher does,
+    which they do only with --events-connect)."""
 
     def __init__(self) -> None:
         self.context = zmq.Context()
@@ -183,7 +184,7 @@ def node1(module_daemons, router):
     """Four host pages, write-through to disk, no authentication; LRU (the expected
     evictions below are in its order)."""
     metrics_port = free_port()
-    daemon = module_daemons.start("--events", router.endpoint, "--events-topic", "kv@node1@{namespace}",
+    daemon = module_daemons.start("--events", router.endpoint, "--events-connect", "--events-topic", "kv@node1@{namespace}",
                                   "--write-through", "--policy", "lru", "--metrics-port", str(metrics_port), name="node1",
                                   host_size="16KiB", disk_size="1MiB")
     daemon.metrics_port = metrics_port
@@ -193,12 +194,14 @@ def node1(module_daemons, router):
 
 @pytest.fixture(scope="module")
 def node2(module_daemons, router, tmp_path_factory):
-    """Tokens on: A may use tenant-a and model-y, B tenant-b."""
+    """Tokens on: A may use tenant-a and model-y, B tenant-b; only model-y (and the warm-up)
+    go out on ZMQ."""
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.toml"
     tokens.write_text(f'[tokens]\n"{TOKEN_A}" = ["tenant-a", "model-y"]\n"{TOKEN_B}" = ["tenant-b"]\n'
                       f'"{TOKEN_ALL}" = ["*"]\n')
-    daemon = module_daemons.start("--events", router.endpoint, "--events-topic", "kv@node2@{namespace}",
-                                  "--tokens-file", str(tokens), "--policy", "lru", name="node2")
+    daemon = module_daemons.start("--events", router.endpoint, "--events-connect", "--events-topic", "kv@node2@{namespace}",
+                                  "--events-namespaces", "model-y,warm-up", "--tokens-file", str(tokens), "--policy", "lru",
+                                  name="node2")
     warm_up(router, daemon, TOKEN_ALL)
     return daemon
 
@@ -248,7 +251,7 @@ def test_token_ids_are_checked_before_anything_changes(node1, connect):
         assert kv.commit(lease, keys, token_ids=prompt(2, 2)).duplicates == (0, 1)
 
 
-def test_watch_events_shows_only_the_namespaces_a_token_grants(node2):
+def test_watch_events_shows_only_the_namespaces_a_token_grants_and_zmq_only_the_listed_ones(node2, router):
     with (KVTierClient(node2.target, token=TOKEN_A) as a, KVTierClient(node2.target, token=TOKEN_B) as b,
           KVTierClient(node2.target) as anonymous):
         with pytest.raises(PermissionDenied, match="tenant-b"):
@@ -271,6 +274,10 @@ def test_watch_events_shows_only_the_namespaces_a_token_grants(node2):
             assert {e.namespace for e in list(watch_a.events.queue)} <= {"tenant-a"}
             assert {e.namespace for e in list(watch_b.events.queue)} <= {"tenant-b"}
             assert watch_a.stream.missed == watch_b.stream.missed == 0
+            # On ZMQ, tenant-a and tenant-b are not on node2's list: their events went to
+            # WatchEvents only. ZMQ is fed before the watchers, in the order committed.
+            router.receive(0.2)
+            assert not [t for t, _, _ in router.messages if t.startswith("kv@node2@tenant-")]
         finally:
             watch_a.stream.close()
             watch_b.stream.close()
