@@ -175,7 +175,7 @@ def launch_refused(tmp_path: Path, *args: str) -> str:
     socket = tmp_path / "run" / "kvtier.sock"
     out = subprocess.run([*KVTIER, "serve", "--socket", str(socket), "--cache-dir", str(tmp_path / "cache"),
                           "--host-size", "1MiB", "--disk-size", "0", "--warm-restart-window", "0", *args],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=20)
     assert out.returncode == 2, f"exit {out.returncode}: {out.stdout}{out.stderr}"
     return out.stderr
 
