@@ -1,17 +1,25 @@
 """Device tier: an HBM arena per (GPU, layout), the pinned host arena, and the copy engine
 that moves pages between them. Byte movement only; the core decides what moves.
 
-    DeviceArena   one plain cudaMalloc allocation (never managed memory), slot i at
-                  i * slot_bytes; its CUDA IPC memory handle goes to clients at Register,
-                  which open it once and address pages by slot, zero copy.
+    DeviceArena   memory per namespace (kvtier.mechanism.device_vmm): one CUDA virtual-
+                  memory allocation per slot, slot i at i * stride in the daemon's flat
+                  range, each slot held by one namespace at a time (`give`); a client
+                  gets, over the handoff socket, its namespace's slot table and the file
+                  descriptors of its namespace's allocations, nothing else.
+    SharedDeviceArena  the fallback where the GPU cannot export allocations as file
+                  descriptors: one plain cudaMalloc allocation whose CUDA IPC handle goes
+                  to every client at Register (any tenant's process can open every
+                  tenant's pages; the daemon says so when it builds one).
+    open_device_arena  the first where the driver can, else the second, sized in bytes.
     pin_host      cudaHostRegister of each namespace file of the host arena, so host <-> device
                   copies are DMA from and to the very pages engines map; undone at close.
     CopyEngine    two non-blocking streams, promotion (host -> device) and demotion
                   (device -> host): a load never queues behind a store, and the two
                   directions run on the GPU's separate copy engines. (Stream priorities
                   would not help: CUDA applies them to kernels, not to memory copies.)
-                  A promotion is many pages (adjacent slots coalesced into one
-                  cudaMemcpyAsync) ending in one interprocess CUDA event: its handle goes
+                  A promotion is many pages (adjacent slots coalesced into one copy, a
+                  pitched one where device slots are padded to the granularity) ending in
+                  one interprocess CUDA event: its handle goes
                   to the engine, which can make its own stream wait on it without a host
                   sync (or wait on the host). A completion thread hears each event and
                   calls the core back, which is when a source host page may be reused.
@@ -32,9 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_client.cuda_vmm import CudaDriverError, Driver
 from kvtier_client.layout import PageLayout
 
 from kvtier.mechanism.bandwidth import Throughput
+from kvtier.mechanism.device_vmm import DeviceArena, DeviceNoSpace, device_stride
 from kvtier.mechanism.host import HostArena, NamespaceMemory
 
 log = logging.getLogger(__name__)
@@ -62,12 +72,11 @@ def cuda_device_count() -> int:
         return 0
 
 
-class DeviceNoSpace(RuntimeError):
-    """The GPU cannot hold another device arena (each page layout gets its own)."""
+class SharedDeviceArena:
+    """`pages` slots of one layout in one cudaMalloc allocation of GPU `device_id`, exported
+    whole over CUDA IPC: every namespace's clients can open all of it."""
 
-
-class DeviceArena:
-    """`pages` slots of one layout in HBM of GPU `device_id`, exported over CUDA IPC."""
+    per_namespace = False
 
     def __init__(self, layout: PageLayout, pages: int, device_id: int = 0) -> None:
         if pages <= 0:
@@ -76,6 +85,7 @@ class DeviceArena:
         self.layout = layout
         self.pages = pages
         self.device_id = device_id
+        self.stride = layout.slot_bytes
         self.size = pages * layout.slot_bytes
         with cupy.cuda.Device(device_id):
             try:
@@ -95,7 +105,10 @@ class DeviceArena:
                 raise
 
     def slot_ptr(self, slot: int) -> int:
-        return self.ptr + slot * self.layout.slot_bytes
+        return self.ptr + slot * self.stride
+
+    def give(self, slots: Sequence[int], namespace: str) -> None:
+        """Nothing to do: every namespace maps the whole arena."""
 
     def pages_array(self) -> Any:
         """The whole arena as a CuPy uint8 array [pages, slot_bytes] (for kernels and tests)."""
@@ -109,6 +122,38 @@ class DeviceArena:
             with cupy.cuda.Device(self.device_id):
                 cupy.cuda.runtime.free(self.ptr)
             self.ptr = 0
+
+
+AnyDeviceArena = DeviceArena | SharedDeviceArena
+
+
+def open_device_arena(layout: PageLayout, device_bytes: int, device_id: int = 0, *,
+                      name: str = "kvtier-device") -> AnyDeviceArena:
+    """The device arena of `device_bytes` for a layout: memory per namespace where the GPU
+    can export allocations as file descriptors, else one shared allocation (with a warning:
+    then any tenant's process can read every tenant's device pages)."""
+    driver = Driver(device_id)  # the device's primary context, the one CuPy uses
+    try:
+        supported = driver.supports_fd_sharing()
+    except CudaDriverError as exc:
+        log.warning("cannot ask GPU %d whether it exports memory as file descriptors (%s)", device_id, exc)
+        supported = False
+    if not supported:
+        driver.close()
+        log.warning("GPU %d cannot export device memory as file descriptors (CUDA virtual memory management with "
+                    "POSIX descriptors): its device tier is one allocation shared by every namespace, and a client of "
+                    "any namespace can open every namespace's device pages", device_id)
+        return SharedDeviceArena(layout, layout.pages_in(device_bytes, "device"), device_id)
+    stride = device_stride(layout.slot_bytes, driver.granularity())
+    if device_bytes < stride:
+        driver.close()
+        raise ValueError(f"device tier of {device_bytes} bytes cannot hold one page: a device page of this layout "
+                         f"takes {stride} bytes (its slot rounded up to the GPU's allocation granularity)")
+    if stride > layout.slot_bytes:
+        log.info("device pages of layout %s take %d KiB each for a %d KiB slot (rounded up to the GPU's allocation "
+                 "granularity, so that each belongs to one namespace)", layout.layout_id, stride >> 10,
+                 layout.slot_bytes >> 10)
+    return DeviceArena(layout, device_bytes // stride, device_id, name=name, driver=driver)
 
 
 def pin_host(arena: HostArena, device_id: int = 0) -> Callable[[], None]:
@@ -171,7 +216,7 @@ class Transfer:
 class CopyEngine:
     """Host <-> device page copies on two prioritised streams; see the module docstring."""
 
-    def __init__(self, host: HostArena, device: DeviceArena) -> None:
+    def __init__(self, host: HostArena, device: AnyDeviceArena) -> None:
         cupy = _cupy()
         self.host = host
         self.device = device
@@ -192,15 +237,18 @@ class CopyEngine:
         if self._closed:
             raise RuntimeError("copy engine is closed")
         to_device = kind == _HOST_TO_DEVICE
+        stride, runtime = self.device.stride, cupy.cuda.runtime
         for src, dst, count in coalesce(pairs):
             host_first, device_first = (src, dst) if to_device else (dst, src)
             for offset, n in self._same_file_runs(host_first, count):
                 host = self.host.slot_address(host_first + offset)
-                device = self.device.ptr + (device_first + offset) * self.slot_bytes
-                cupy.cuda.runtime.memcpyAsync(
-                    device if to_device else host, host if to_device else device,
-                    n * self.slot_bytes, kind, stream.ptr,
-                )
+                device = self.device.slot_ptr(device_first + offset)
+                dst_ptr, src_ptr = (device, host) if to_device else (host, device)
+                if n == 1 or stride == self.slot_bytes:
+                    runtime.memcpyAsync(dst_ptr, src_ptr, n * self.slot_bytes, kind, stream.ptr)
+                else:  # device slots padded to the granularity: one pitched copy per run
+                    dst_pitch, src_pitch = (stride, self.slot_bytes) if to_device else (self.slot_bytes, stride)
+                    runtime.memcpy2DAsync(dst_ptr, dst_pitch, src_ptr, src_pitch, self.slot_bytes, n, kind, stream.ptr)
 
     def _same_file_runs(self, first: int, count: int) -> list[tuple[int, int]]:
         """(offset, length) runs of host slots first..first+count-1 held by one namespace

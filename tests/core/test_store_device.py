@@ -144,3 +144,55 @@ def test_making_device_room_keeps_the_host_copies_of_co_victims():
     assert tiers(s, b"b") == {Tier.HOST}
     assert tiers(s, b"a") == set()
     check_invariants(s)
+
+
+class GivingMover(BookkeepingMover):
+    """The replay's mover, also noting every device give and promotion in order; its
+    device may have no memory left to give (`no_memory`), as a GPU whose old holders'
+    processes keep what they mapped."""
+
+    def __init__(self) -> None:
+        super().__init__(_LAYOUT.page_bytes)
+        self.calls: list[tuple] = []
+        self.no_memory = False
+
+    def give_device(self, slots, namespace):
+        if self.no_memory:
+            raise CapacityError("GPU has no memory for a device page passing to another namespace")
+        self.calls.append(("give", tuple(slots), namespace))
+
+    def promote(self, pairs, on_done):
+        self.calls.append(("promote", tuple(d for _, d in pairs)))
+        return super().promote(pairs, on_done)
+
+
+def giving_store() -> tuple[BlockStore, GivingMover]:
+    mover = GivingMover()
+    return BlockStore(_LAYOUT, host_pages=4, device_pages=2, mover=mover, prefetch_hold=0.0), mover
+
+
+def test_a_promotion_gives_its_device_slots_to_the_namespace_before_copying():
+    s, mover = giving_store()
+    for ns, key in (("A", b"a"), ("B", b"b")):
+        lease = s.borrow(S, ns, 1)
+        s.commit(S, lease.lease_id, [key])
+    first = s.acquire(S, "A", [b"a"], Tier.DEVICE)
+    second = s.acquire(S, "B", [b"b"], Tier.DEVICE)
+    assert mover.calls == [("give", tuple(first.slots), "A"), ("promote", tuple(first.slots)),
+                           ("give", tuple(second.slots), "B"), ("promote", tuple(second.slots))]
+    check_invariants(s)
+
+
+def test_a_device_without_memory_to_give_refuses_the_acquire_and_changes_nothing():
+    s, mover = giving_store()
+    lease = s.borrow(S, "A", 1)
+    s.commit(S, lease.lease_id, [b"a"])
+    mover.no_memory = True
+    with pytest.raises(CapacityError, match="no memory"):
+        s.acquire(S, "A", [b"a"], Tier.DEVICE)
+    assert set(s.blocks[("A", b"a")].copies) == {Tier.HOST}
+    assert s.stats().tier(Tier.DEVICE).free == 2 and not s.leases
+    check_invariants(s)
+    mover.no_memory = False  # the old holders let go: the same acquire works
+    assert s.acquire(S, "A", [b"a"], Tier.DEVICE).ready == 1
+    check_invariants(s)
