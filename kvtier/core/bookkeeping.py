@@ -63,6 +63,9 @@ class BookkeepingMover:
     def forget(self, records: Iterable[PageRecord]) -> None:
         pass
 
+    def give_device(self, slots: Sequence[Slot], namespace: str) -> None:
+        pass
+
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[LandedTransfer, bool], None]) -> LandedTransfer:
         transfer = LandedTransfer()
         on_done(transfer, True)

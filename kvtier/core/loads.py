@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtier_client.errors import NotFound, Unavailable
+from kvtier_client.errors import CapacityError, NotFound, Unavailable
 from kvtier_client.ids import SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
@@ -227,7 +227,8 @@ class Loads:
         protected by our waiters) to the device in one submission. Returns the transfer
         after which every one of `blocks` is readable on the device, None if all already are.
 
-        Raises CapacityError, having changed nothing, when the device cannot make room.
+        Raises CapacityError when the device cannot make room (having changed nothing) or
+        has no memory to give the slots to `namespace` (its evictions done, no copy added).
         """
         device = self.index.tiers[Tier.DEVICE]
         missing = [b for b in blocks if Tier.DEVICE not in b.copies]
@@ -241,9 +242,15 @@ class Loads:
             self.capacity.make_room(Tier.DEVICE, len(missing), namespace)
         finally:
             self.index.stop_waiting(present, Tier.DEVICE)
+        slots = [device.slots.alloc() for _ in missing]
+        try:
+            self.mover.give_device(slots, namespace)
+        except CapacityError:
+            for slot in slots:
+                device.slots.free(slot)
+            raise
         pairs = []
-        for b in missing:
-            slot = device.slots.alloc()
+        for b, slot in zip(missing, slots):
             b.copies[Tier.HOST].readers += 1  # the source stays until the copy lands
             self.index.add_copy(b, Tier.DEVICE, Copy(slot, loading=True))
             pairs.append((b.copies[Tier.HOST].slot, slot))

@@ -15,6 +15,7 @@ only keeps the books (trace replay, core tests).
     remote_present   how many leading keys the cluster tier holds              synchronous,
                                                                   network: never under the lock
     remote_write     host pages -> the cluster tier, `on_done` later           asynchronous
+    give_device      device slots are about to hold a namespace's bytes       synchronous
     promote / marker host slots -> device slots, `on_done` when they land      asynchronous
     demote           device slots -> host slots                                synchronous
 
@@ -130,6 +131,11 @@ class PageMover(Protocol):
 
     def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove disk pages from the persistent index."""
+
+    def give_device(self, slots: Sequence[Slot], namespace: str) -> None:
+        """Device slots are about to hold `namespace`'s bytes (a promotion): nothing of a
+        previous holder may show through them, in the daemon or in any client. Raises
+        CapacityError, with the slots unchanged, when the device has no memory to do so."""
 
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
         """Start copying (host slot, device slot) pairs; `on_done(transfer, ok)` when they land."""

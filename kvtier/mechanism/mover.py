@@ -104,6 +104,9 @@ class ArenaMover:
             raise RuntimeError("no device tier configured: the core must not move pages to a device")
         return self.copies
 
+    def give_device(self, slots: Sequence[Slot], namespace: str) -> None:
+        self._copies().device.give(slots, namespace)
+
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
         return self._copies().promote(pairs, on_done)
 
