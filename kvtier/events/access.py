@@ -17,15 +17,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.events.curve import CurveKeys, load_curve
 
-if TYPE_CHECKING:
-    from kvtier.server.config import EventsConfig
-
 NAMESPACES_OPTION = "events_namespaces"
 CONNECT_OPTION = "events_connect"
+
+
+class AccessOptions(Protocol):
+    """What the endpoint's access is made from: the daemon's events options
+    (kvtier.server.config.EventsConfig has these fields; events never imports the server)."""
+
+    namespaces: str
+    connect: bool
+    curve_secret_key_file: str
+    curve_clients_dir: str
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class EndpointAccess:
         return self.namespaces is None or namespace in self.namespaces
 
     @classmethod
-    def configured(cls, events: "EventsConfig", *, tenants: bool) -> "EndpointAccess":
+    def configured(cls, events: AccessOptions, *, tenants: bool) -> "EndpointAccess":
         """The access the events options give; `tenants`: namespaces are authorised (tokens),
         so the namespace list must be given. Raises ValueError naming the option to fix."""
         if events.namespaces == "" and tenants:

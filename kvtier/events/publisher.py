@@ -27,21 +27,26 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 from kvtier_client.errors import CapacityError
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.events.access import EndpointAccess, connect_refusal
+from kvtier.events.access import AccessOptions, EndpointAccess, connect_refusal
 from kvtier.events.curve import serve_curve
 from kvtier.events.records import Event, EventKind, Record, coalesce
 from kvtier.events.sink import PoolEvents
 from kvtier.events.watch import Watcher
 from kvtier.events.wire import Encoder, EventFormat
 
-if TYPE_CHECKING:
-    from kvtier.server.config import EventsConfig
+
+class PublisherOptions(AccessOptions, Protocol):
+    """The daemon's events options (kvtier.server.config.EventsConfig) as the publisher reads them."""
+
+    endpoint: str
+    topic: str
+    format: EventFormat
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +113,7 @@ class EventPublisher:
         self._thread.start()
 
     @classmethod
-    def configured(cls, events: "EventsConfig", *, tenants: bool) -> "EventPublisher":
+    def configured(cls, events: PublisherOptions, *, tenants: bool) -> "EventPublisher":
         """The daemon's publisher, from its events options (`events.endpoint` set); `tenants`:
         namespaces are authorised by tokens (kvtier.events.access). Raises ValueError naming
         the option to fix."""
