@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: run every GPU test (kernels against their CPU references, the copy
-# engine's promote/demote integrity, the CUDA IPC round trip between a real daemon and a
-# client process), then print the bandwidth tables last.
+# engine's promote/demote integrity over both device arenas, the round trip between a real
+# daemon and a client process, device memory per namespace: tenant B's process cannot read
+# tenant A's device pages, and promotion over it is as fast as over one allocation), then
+# print the bandwidth tables last (the copy engine's table runs over memory per namespace
+# where the GPU supports it: compare with docs/gpu.md's figures for regressions).
 #   scripts/gpu_check.sh [pytest args]
 # Needs numpy, pytest, torch and CuPy for the local CUDA (pip install -e '.[gpu]'). Exits 2
 # with a message without a GPU. Works without the project's venv: a typical GPU image lacks
@@ -27,7 +30,8 @@ fi
 # -o addopts= : the project's defaults deselect gpu tests and need pytest-timeout.
 # The tables are printed even when a test fails; the exit status is the tests' (or the bench's).
 status=0
-"$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rs \
-  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py "$@" || status=$?
+"$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rsP \
+  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py \
+  tests/mechanism/test_device_isolation_gpu.py "$@" || status=$?
 "$PYTHON" -m kvtier_bench.gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"

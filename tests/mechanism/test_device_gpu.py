@@ -1,7 +1,10 @@
-"""The device tier on a GPU: the copy engine's promote/demote integrity, and the IPC round
-trip between a real daemon process and this client process (CUDA IPC memory handle, torch
-tensors through DLPack, the interprocess copy-done event waited on by a stream and by the
-host). Every destination is poisoned first; every page is random and checked by checksum.
+"""The device tier on a GPU: the copy engine's promote/demote integrity over both arenas
+(memory per namespace, with slots padded to the allocation granularity, and the shared
+fallback), and the round trip between a real daemon process and this client process (the
+namespace's device slots mapped from descriptors, torch tensors through DLPack, the
+interprocess copy-done event waited on by a stream and by the host). Every destination is
+poisoned first; every page is random and checked by checksum. Isolation between
+namespaces: tests/mechanism/test_device_isolation_gpu.py.
 
 Run on a GPU machine with ``pytest -m gpu`` (scripts/gpu_check.sh); skipped elsewhere.
 """
@@ -33,17 +36,20 @@ def digest(data) -> str:
     return hashlib.sha256(bytes(data)).hexdigest()
 
 
+@pytest.mark.parametrize("arena", ["DeviceArena", "SharedDeviceArena"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.page_bytes // 1024}KiB")
-def test_promote_and_demote_keep_every_byte(layout):
+def test_promote_and_demote_keep_every_byte(layout, arena):
     import cupy
 
-    from kvtier.mechanism.device import CopyEngine, DeviceArena, pin_host
+    from kvtier.mechanism import device as device_module
+    from kvtier.mechanism.device import CopyEngine, pin_host
     from kvtier.mechanism.host import HostArena
 
     host = HostArena(f"kvtier-gpu-test-{uuid.uuid4().hex[:8]}", layout, 32)
     for slot in range(32):
         host.give(slot, "tenant-a")
-    device = DeviceArena(layout, 16)
+    device = getattr(device_module, arena)(layout, 16)
+    device.give(range(16), "tenant-a")
     unpin = pin_host(host)
     engine = CopyEngine(host, device)
     try:
@@ -127,7 +133,6 @@ def test_ipc_round_trip_between_daemon_and_client(tmp_path):
     try:
         with KVTierClient(daemon.target) as kv:
             kv.register("gpu/ipc", layout)
-            assert kv.pool.device_ipc_handle, "a GPU daemon must send its device arena's IPC handle"
             keys = kv.block_keys(list(range(16 * 24)))
             rng = np.random.default_rng(11)
             expected = [rng.integers(0, 256, layout.page_bytes, dtype=np.uint8) for _ in keys]
@@ -140,6 +145,8 @@ def test_ipc_round_trip_between_daemon_and_client(tmp_path):
                 assert lease.tier is Tier.DEVICE and lease.ready == len(keys)
                 tensors = lease.tensors()
                 assert all(t.is_cuda for t in tensors)
+                per_namespace = type(lease.session.device_arena()).__name__ == "NamespaceDeviceView"
+                assert per_namespace != bool(kv.pool.device_ipc_handle), "an IPC handle only for the shared fallback"
                 got = [t.contiguous().view(torch.uint8).reshape(-1).cpu().numpy() for t in tensors]
             for i, (g, e) in enumerate(zip(got, expected)):
                 assert digest(g) == digest(e), f"page {i} differs after the device round trip"
