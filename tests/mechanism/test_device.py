@@ -2,8 +2,11 @@
 client behave where there is no GPU (the tier is absent, nothing imports CuPy)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from kvtier.mechanism.device import coalesce
 
@@ -30,3 +33,35 @@ def test_daemon_and_client_import_without_cupy():
         "sys.exit('cupy' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_cpu_daemon_lends_no_device_memory_over_the_handoff(tmp_path):
+    """The handoff's device requests on a daemon without a device tier: attaching gives the
+    host arena alone, a device map request from the attached process is refused with the
+    documented status, and one from another process is refused before anything else."""
+    from daemon import start_daemon
+    from kvtier_client import KVTierClient, PageLayout
+    from kvtier_client.errors import FailedPrecondition
+    from kvtier_client.handoff import attach, fetch_device_slots
+
+    daemon = start_daemon(tmp_path, disk_size="0")
+    try:
+        with KVTierClient(daemon.target) as kv:
+            kv.register("ns", PageLayout(layers=1, kv_heads=1, head_dim=64, block_tokens=16))
+            info = kv.pool
+            again = attach(info.handoff_socket, info.session_id, None)  # the same process may attach again
+            os.close(again.arena_fd)
+            assert again.device is None
+            with pytest.raises(FailedPrecondition, match="no device memory per namespace"):
+                fetch_device_slots(info.handoff_socket, info.session_id, None, [0])
+            code = (
+                "import sys; from kvtier_client.handoff import fetch_device_slots;"
+                "from kvtier_client.errors import PermissionDenied\n"
+                "try: fetch_device_slots(sys.argv[1], sys.argv[2], None, [0])\n"
+                "except PermissionDenied as e: print('refused', e)"
+            )
+            out = subprocess.run([sys.executable, "-c", code, info.handoff_socket, info.session_id],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.stdout.startswith("refused") and "another process" in out.stdout, out.stderr
+    finally:
+        assert daemon.stop() == 0, daemon.log()
