@@ -55,6 +55,9 @@ from kvtier_client.wire import layout_to_proto
 log = logging.getLogger("kvtier_client")
 
 T = TypeVar("T")
+#: WritePages sends a page in pieces of this many bytes: the daemon reads no request over
+#: 4 MiB (docs/protocol.md, "Message size limits").
+PAGE_PIECE_BYTES = 1 << 20
 
 
 def _wait_policy(tier: Tier, wait: "Wait | None", deadline: float | None) -> tuple[int, int]:
@@ -535,19 +538,19 @@ class KVTierClient:
             raise
 
     def write_page_bytes(self, lease: WriteLease, pages: Sequence[bytes]) -> int:
-        """Send pages[i] as page i of a write lease (WritePages: a client stream, one page a
-        message, resent whole on a retry); returns how many pages the daemon stored. The
+        """Send pages[i] as page i of a write lease (WritePages: a client stream, a page in
+        pieces of PAGE_PIECE_BYTES, resent whole on a retry); returns how many pages the daemon stored. The
         lease stays open: commit it afterwards."""
 
         def call(session: _Session) -> int:
             session.path.sync()
 
             def messages() -> Iterator[pb.PageData]:
+                ids = {"session_id": session.session_id, "lease_id": lease.lease_id}  # on the first message
                 for i, data in enumerate(pages):
-                    if i == 0:
-                        yield pb.PageData(session_id=session.session_id, lease_id=lease.lease_id, index=0, data=data)
-                    else:
-                        yield pb.PageData(index=i, data=data)
+                    for offset in range(0, max(len(data), 1), PAGE_PIECE_BYTES):
+                        yield pb.PageData(index=i, offset=offset, data=data[offset:offset + PAGE_PIECE_BYTES], **ids)
+                        ids = {}
 
             return self._conn.client_stream("WritePages", messages, key=session.key).pages
 

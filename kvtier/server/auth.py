@@ -128,6 +128,12 @@ class Authorizer:
         the current table holds the token and it grants the namespace."""
         return self._mode is not AuthMode.TOKENS or _granted(self._table, token, namespace)
 
+    def names(self, namespace: str) -> bool:
+        """Whether the tokens file names `namespace` (in a token's list or a quota table): it
+        then does not count against max_namespaces (kvtier.server.namespaces)."""
+        table = self._table
+        return namespace in table.quotas or any(namespace in granted for granted in table.tokens.values())
+
     def authorize(self, namespace: str, metadata: Metadata) -> None:
         """Raise unless the call's token grants `namespace`."""
         if self._mode is not AuthMode.TOKENS:

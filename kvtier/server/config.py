@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.redis import ClusterAddress
@@ -71,6 +72,7 @@ class ListenConfig:
 class AuthConfig:
     mode: AuthMode
     tokens_file: str  # TOML: [tokens] "<token>" = ["namespace", ...] ("*" = any)
+    max_namespaces: int  # namespaces admitted besides those the tokens file names (kvtier.server.namespaces)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class TiersConfig:
     prefetch_hold: float
     arena_prefix: str
     max_pools: int
+    history_size: int  # departed blocks each pool remembers, all namespaces together (kvtier.core.history)
     warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
     seal_key_file: str  # "" = seals are unkeyed checksums (kvtier.mechanism.seal); a secret file = keyed MACs
 
@@ -311,6 +314,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("auth", "auth", Kind.of(AuthMode, optional=True), "", "Namespace authorisation.",
            shown="tokens if tokens_file is set, else none", field="mode"),
     Option("tokens_file", "auth", PATH, "", 'TOML file: [tokens] "<token>" = ["namespace", ...].', shown="none"),
+    Option("max_namespaces", "auth", INT, 64, "Namespaces the daemon admits besides those the tokens file names; a new "
+           "one past it is refused (RESOURCE_EXHAUSTED).", metavar="N"),
     Option("cache_dir", "tiers", PATH, "", "Disk tier directory.", shown="$XDG_CACHE_HOME/kvtier"),
     Option("host_size", "tiers", SIZE, "1GiB", "Host tier size per layout, e.g. 8GiB."),
     Option("disk_size", "tiers", SIZE, "8GiB", "Disk tier size per layout, e.g. 100GiB; 0 for none."),
@@ -336,6 +341,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("arena_prefix", "tiers", TEXT, "", "Name prefix of host memory files (as /proc/<pid>/maps shows them).",
            shown="derived from the socket path", metavar="NAME"),
     Option("max_pools", "tiers", INT, 4, "Distinct page layouts served at once.", metavar="N"),
+    Option("history_size", "tiers", INT, DEFAULT_HISTORY_SIZE, "Evicted blocks each pool remembers (all namespaces together) to "
+           "say why a key missed; ~256 B each.", metavar="N"),
     Option("warm_restart_window", "tiers", DURATION_OR_ZERO, "5m",
            "How long the arena keeper holds a crashed daemon's host pages for its successor (0 = a crash loses them)."),
     Option("seal_key_file", "tiers", PATH, "", "Secret (>= 16 bytes, mode 0600) that seals disk and cluster pages "
@@ -473,6 +480,8 @@ def _validate(cfg: DaemonConfig) -> None:
         raise ConfigError("max_queued_prefetch must be >= 0 (0 turns prefetch off)")
     if tiers.max_pools < 1:
         raise ConfigError("max_pools must be at least 1")
+    if tiers.history_size < 0 or cfg.auth.max_namespaces < 1:
+        raise ConfigError("history_size must be >= 0 (0 = no miss history) and max_namespaces at least 1")
     if cfg.cluster.url:
         try:
             ClusterAddress.parse(cfg.cluster.url)

@@ -23,9 +23,11 @@ from kvtier.mechanism.keeper import KeeperClient, keeper_path
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.handoff import Handoff, handoff_path
+from kvtier.server.heap import Trimmer
 from kvtier.server.lane import Lane, lane_path
 from kvtier.server.ops import HotOps
 from kvtier.server.metrics import Metrics, MetricsServer
+from kvtier.server.namespaces import NamespaceGate
 from kvtier.server.notify import Notifier
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
@@ -37,23 +39,22 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-#: Every request but a slow-path page: a Lookup of 1024 keys of 64 bytes is 66 KB, so 4 MiB
-#: takes ~60,000 keys per call.
-CONTROL_MESSAGE_BYTES = 4 << 20
+#: The largest request, of any method: gRPC refuses a larger one from its length prefix,
+#: unread. A Lookup of 1024 keys of 64 bytes is 66 KB, so 4 MiB takes ~60,000 keys per call;
+#: WritePages sends a page in pieces of 1 MiB (docs/protocol.md, "Message size limits").
+REQUEST_MESSAGE_BYTES = 4 << 20
 #: The largest page the slow path carries: the kvtier client's gRPC message limit.
 SLOW_PATH_PAGE_BYTES = 256 << 20
 #: A PageData's fields besides its bytes (a 32-character session id, lease id, index, tags).
 PAGE_ENVELOPE_BYTES = 1 << 10
-WRITE_PAGES = f"/{SERVICE_NAME}/WritePages"
 SERVER_STOP_GRACE_S = 1.0  # calls still running then are cancelled
 SERVER_STOP_WAIT_S = 5.0
 
 
-def wire_guard(config: DaemonConfig) -> WireGuard:
-    """Per-method request limits (docs/protocol.md): control calls small; a WritePages message
-    one page, and no page is larger than the host tier (a pool's host tier holds at least one)."""
-    page_message = min(config.tiers.host_size, SLOW_PATH_PAGE_BYTES) + PAGE_ENVELOPE_BYTES
-    return WireGuard(CONTROL_MESSAGE_BYTES, {WRITE_PAGES: page_message})
+def reply_limit(config: DaemonConfig) -> int:
+    """The largest reply: a ReadPages message is a whole page, and no page is larger than the
+    host tier (a pool's host tier holds at least one)."""
+    return max(REQUEST_MESSAGE_BYTES, min(config.tiers.host_size, SLOW_PATH_PAGE_BYTES) + PAGE_ENVELOPE_BYTES)
 
 
 class HealthService(health.HealthServicer):
@@ -110,10 +111,15 @@ class Daemon:
         self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics) if config.listen.lane else None
         self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot,
                            self.pools.cluster_snapshot)
+        self.namespaces = NamespaceGate(config.auth.max_namespaces, auth.names)
+        self.heap = Trimmer()  # glibc's malloc tuned from here on
+        self.metrics.watch_memory(self.pools.snapshot, lambda: (self.namespaces.count(), self.namespaces.limit),
+                                  lambda: self.heap.trims)
         self.service = KVTierService(
             sessions=self.sessions, pools=self.pools, auth=auth, drain=self.drain,
             metrics=self.metrics, version=kvtier.__version__, started=time.monotonic(), handoff_socket=self.handoff.path,
             explainer=Explainer(self.pools), ops=ops, lane_socket=self.lane.path if self.lane is not None else "",
+            namespaces=self.namespaces,
             events=self.events,
         )
         self.health = HealthService(("", SERVICE_NAME))
@@ -126,7 +132,7 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config
         listen = cfg.listen
-        guard = wire_guard(cfg)
+        guard = WireGuard(REQUEST_MESSAGE_BYTES, called=self.heap.called)
         if cfg.metrics.port:  # first: /healthz answers (and /readyz says 503) while the rest starts
             self._metrics_server = self.metrics.serve(cfg.metrics.host, cfg.metrics.port, ready=self.serving)
         if cfg.tiers.device_size and cfg.auth.mode is AuthMode.TOKENS:
@@ -140,8 +146,8 @@ class Daemon:
             interceptors=[guard],
             options=[
                 # gRPC refuses a larger message from its length prefix, before reading it.
-                ("grpc.max_receive_message_length", guard.largest_message),
-                ("grpc.max_send_message_length", guard.largest_message),
+                ("grpc.max_receive_message_length", guard.limit),
+                ("grpc.max_send_message_length", reply_limit(cfg)),
                 # gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the same TCP
                 # port and silently take half of the connections (sessions it does not know).
                 ("grpc.so_reuseport", 0),

@@ -162,6 +162,34 @@ class _NamespaceCollector:
         yield from (pages, quotas, hits, evictions, misses)
 
 
+class _MemoryCollector:
+    """What long-running or hostile load could grow, beside its bound: the miss history of
+    each pool, the namespaces admitted, and the trims that hand freed heap back."""
+
+    def __init__(self, snapshot: Snapshot, namespaces: Callable[[], tuple[int, int]], trims: Callable[[], int]) -> None:
+        self._snapshot = snapshot
+        self._namespaces = namespaces
+        self._trims = trims
+
+    def collect(self) -> Iterator[Metric]:
+        entries = GaugeMetricFamily("kvtier_history_entries", "Evicted blocks the miss history remembers, all namespaces "
+                                    "together, and (kind max) the most it keeps (history_size).", labels=["pool", "kind"])
+        size = GaugeMetricFamily("kvtier_history_bytes", "The miss history's estimated size.", labels=["pool"])
+        for pool, stats in self._snapshot():
+            entries.add_metric([pool.pool_id, "held"], stats.history_entries)
+            entries.add_metric([pool.pool_id, "max"], stats.history_limit)
+            size.add_metric([pool.pool_id], stats.history_bytes)
+        admitted, limit = self._namespaces()
+        namespaces = GaugeMetricFamily("kvtier_namespaces", "Namespaces admitted since the daemon started, and (kind max) "
+                                       "the most admitted beyond those the tokens file names (max_namespaces).",
+                                       labels=["kind"])
+        namespaces.add_metric(["admitted"], admitted)
+        namespaces.add_metric(["max"], limit)
+        trims = CounterMetricFamily("kvtier_heap_trims", "malloc_trim calls after large requests (kvtier.server.heap).")
+        trims.add_metric([], self._trims())
+        yield from (entries, size, namespaces, trims)
+
+
 class _DiskCollector:
     def __init__(self, snapshot: DiskSnapshot) -> None:
         self._snapshot = snapshot
@@ -324,6 +352,11 @@ class Metrics:
         self.registry.register(_BandwidthCollector(bandwidth_snapshot))
         self.registry.register(_ClusterCollector(cluster_snapshot))
 
+    def watch_memory(self, snapshot: Snapshot, namespaces: Callable[[], tuple[int, int]], trims: Callable[[], int]) -> None:
+        """Read the bounded structures' sizes at every scrape: `namespaces()` is (admitted,
+        max_namespaces), `trims()` the heap trims so far."""
+        self.registry.register(_MemoryCollector(snapshot, namespaces, trims))
+
     def watch_events(self, stats: Callable[[], EventStats]) -> None:
         """Read the KV event publisher's counters at every scrape (daemons with events on)."""
         self.registry.register(_EventsCollector(stats))
@@ -360,7 +393,7 @@ REGISTER_REJECT_REASONS = {
     "PERMISSION_DENIED": "permission_denied",  # the token does not grant the namespace
     "INVALID_ARGUMENT": "invalid_argument",  # a malformed namespace, layout or hash algorithm
     "FAILED_PRECONDITION": "failed_precondition",  # key hashing mismatch, or a layout the disk tier cannot take
-    "RESOURCE_EXHAUSTED": "resource_exhausted",  # max_pools reached, or no device memory for a new pool
+    "RESOURCE_EXHAUSTED": "resource_exhausted",  # max_pools or max_namespaces reached, or no device memory for a new pool
     "UNAVAILABLE": "draining",  # the daemon is shutting down
 }
 
@@ -433,4 +466,3 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
-

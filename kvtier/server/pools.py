@@ -20,7 +20,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.events import EventPublisher
-from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
+from kvtier.core import DEFAULT_HISTORY_SIZE, BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.core.index import TierCounters
 from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
@@ -60,6 +60,7 @@ class PoolConfig:
     arena_prefix: str = "kvtier"  # names host memory files <prefix>-<layout id> (in /proc/<pid>/maps, never a path)
     device_bytes: int = 0  # HBM for the device tier; 0 = none (needs CUDA and CuPy otherwise)
     gpu: int = 0  # CUDA device index
+    history_size: int = DEFAULT_HISTORY_SIZE  # departed blocks remembered, all namespaces together
 
     @classmethod
     def from_tiers(cls, tiers: TiersConfig) -> "PoolConfig":
@@ -172,6 +173,7 @@ class Pool:
                 prefetch_hold=config.prefetch_hold,
                 recovered=self.disk.records() if self.disk else (),
                 recovered_host=self.host.adopted,
+                history_size=config.history_size,
             )
             if self.disk is not None:
                 # Writes write-through pages and keeps a reserve of clean host pages, so a
@@ -219,15 +221,16 @@ class Pool:
         with self.store.lease_slots(session, lease_id, LeaseKind.READ) as slots:
             return [bytes(self.host.page(slot)) for slot in slots]
 
-    def write_page(self, session: SessionId, lease_id: LeaseId, index: int, data: bytes) -> None:
-        """Fill page `index` of a write lease. The store holds the lease while the bytes are
-        copied: a concurrent release can never leave us writing a freed slot."""
-        if len(data) != self.layout.page_bytes:
-            raise InvalidArgument(f"page {index} has {len(data)} bytes, a page has {self.layout.page_bytes}")
+    def write_page(self, session: SessionId, lease_id: LeaseId, index: int, data: bytes, offset: int = 0) -> None:
+        """Fill page `index` of a write lease from byte `offset` on (WritePages sends a page in
+        pieces). The store holds the lease while the bytes are copied: a concurrent release
+        can never leave us writing a freed slot."""
+        if offset + len(data) > self.layout.page_bytes:
+            raise InvalidArgument(f"page {index}: {len(data)} bytes at offset {offset} run past its {self.layout.page_bytes}")
         with self.store.lease_slots(session, lease_id, LeaseKind.WRITE) as slots:
             if not 0 <= index < len(slots):
                 raise InvalidArgument(f"page index {index} outside the lease's {len(slots)} pages")
-            self.host.page(slots[index])[:] = memoryview(data)
+            self.host.page(slots[index])[offset:offset + len(data)] = memoryview(data)
 
     def close(self, deadline: float | None = None) -> None:
         """Save host-only pages to disk (in durable batches, none started after `deadline`),

@@ -26,7 +26,9 @@ from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.metrics import Metrics
+from kvtier.server.namespaces import NamespaceGate
 from kvtier.server.ops import HotOps
+from kvtier.server.pieces import PieceOrder
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.sessions import Caller, Session, SessionManager
 from kvtier.server.wire_guard import cut
@@ -149,6 +151,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     explainer: Explainer  # Explain, and the key hashings each namespace registered with
     ops: HotOps  # the hot calls, shared with the fast lane
     lane_socket: str  # where same-host clients run the hot calls ("" when the lane is off)
+    namespaces: NamespaceGate  # how many namespaces Register admits
     events: EventPublisher | None = None  # KV events, for WatchEvents (None: the daemon publishes none)
 
     def _session(self, session_id: str, context) -> Session:
@@ -171,6 +174,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         self.drain.check_open()
         check_namespace(request.namespace)
         self.auth.authorize(request.namespace, context.invocation_metadata())  # before anything else is checked or revealed
+        self.namespaces.admit(request.namespace)
         pool = self.pools.for_layout(_layout(request))
         who, local = caller(context, self.auth), is_local(context)
         session = self.sessions.open(
@@ -246,7 +250,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         token = self.auth.token_of(metadata)  # each namespace shows only to a token that grants it
         pools = self.pools.snapshot()
         reply = pb.StatsResponse(version=self.version, sessions=self.sessions.count(),
-                                 uptime_seconds=time.monotonic() - self.started)
+                                 uptime_seconds=time.monotonic() - self.started,
+                                 namespaces=self.namespaces.count(), max_namespaces=self.namespaces.limit)
         for pool, stats in pools:
             reply.leases += stats.leases
             reply.pools.append(
@@ -256,6 +261,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
                     page_bytes=pool.layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
                     namespaces=[namespace_stats_pb(ns) for ns in stats.namespaces if self.auth.grants(token, ns.namespace)],
+                    history_entries=stats.history_entries, history_limit=stats.history_limit,
+                    history_bytes=stats.history_bytes,
                 )
             )
         return reply
@@ -295,13 +302,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         if first is None:
             raise InvalidArgument("WritePages got no messages; send session_id and lease_id first")
         s = self._session(first.session_id, context)
-        written = 0
+        pieces = PieceOrder(s.pool.layout.page_bytes)
         message = first
         while message is not None:
-            s.pool.write_page(s.session_id, LeaseId(first.lease_id), message.index, message.data)
-            written += 1
+            pieces.take(message.index, message.offset, len(message.data))
+            s.pool.write_page(s.session_id, LeaseId(first.lease_id), message.index, message.data, message.offset)
             message = next(request_iterator, None)
-        return pb.WritePagesResponse(pages=written)
+        return pb.WritePagesResponse(pages=pieces.end())
 
     # -- KV events ---------------------------------------------------------------------
     def WatchEvents(self, request, context) -> Iterator[pb.WatchEventsResponse]:

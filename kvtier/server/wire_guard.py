@@ -1,23 +1,24 @@
 """What hostile bytes meet first: every request of every service (KVTier, Health, reflection)
-is decoded here, against its method's size limit, before a servicer sees it.
+is decoded here, before a servicer sees it.
 
 Why not grpc's own decoding: when a request does not decode, grpcio's server answers
 INTERNAL ("Exception deserializing request!"), logs a traceback, and then, for a unary
 method, tries to send a second status on the finished call; grpc core refuses that batch,
 whose tag (holding the call's whole state, ~20 KB) is never freed, and the server's stop
 waits for that call forever. Our deserializer never raises: a request that does not decode
-or is over its limit becomes a `Refused`, which the wrapped method answers with its status
-code, through the same path as any servicer's abort. Nothing is logged and nothing is kept.
+becomes a `Refused`, which the wrapped method answers with its status code, through the
+same path as any servicer's abort. Nothing is logged and nothing is kept.
 
-Limits (docs/protocol.md, "Message size limits"): gRPC's global `max_receive_message_length`
-is the largest legal message of any method, so gRPC itself refuses anything bigger
-(RESOURCE_EXHAUSTED) from the message's length prefix, without reading it; below that, each
-method has its own limit, checked here before decoding.
+Size (docs/protocol.md, "Message size limits"): gRPC's global `max_receive_message_length`
+is the largest legitimate request of any method (4 MiB: a page travels in pieces of 1 MiB),
+and gRPC refuses anything bigger (RESOURCE_EXHAUSTED) from the message's length prefix,
+before reading it. A limit per method would not save memory: gRPC has read a message whole
+before any Python code sees it. Each call is told to `called` (the heap trimmer).
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +44,8 @@ class Refused:
     details: str
 
 
-def _deserializer(decode: Callable[[bytes], Any], method: str, limit: int) -> Callable[[bytes], Any]:
+def _deserializer(decode: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
-        if len(data) > limit:
-            return Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{method}: a request message of {len(data)} bytes is over this method's limit of {limit} bytes; "
-                "send fewer keys per call (docs/protocol.md, message size limits)",
-            )
         try:
             return decode(data)
         except DecodeError:
@@ -86,7 +81,7 @@ def _guard_behavior(behavior: Callable, streaming_requests: bool) -> Callable:
     return guarded
 
 
-def _guard(handler: grpc.RpcMethodHandler, method: str, limit: int) -> grpc.RpcMethodHandler:
+def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     if handler.request_deserializer is None:
         return handler  # a raw-bytes method: nothing to decode
     kind = {
@@ -98,28 +93,23 @@ def _guard(handler: grpc.RpcMethodHandler, method: str, limit: int) -> grpc.RpcM
     behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
     return kind(
         _guard_behavior(behavior, handler.request_streaming),
-        request_deserializer=_deserializer(handler.request_deserializer, method, limit),
+        request_deserializer=_deserializer(handler.request_deserializer, method),
         response_serializer=handler.response_serializer,
     )
 
 
 class WireGuard(grpc.ServerInterceptor):
-    """Decodes every request with a size limit and never raises (see the module docstring).
-    `limits` maps a method path ("/kvtier.v1.KVTier/WritePages") to its limit in bytes;
-    every other method gets `default_limit`."""
+    """Decodes every request and never raises (see the module docstring). `limit`: the
+    largest request, gRPC's receive limit; `called()` is told of every call as it starts."""
 
-    def __init__(self, default_limit: int, limits: Mapping[str, int]) -> None:
-        self.default_limit = default_limit
-        self.limits = dict(limits)
+    def __init__(self, limit: int, called: Callable[[], None] = lambda: None) -> None:
+        self.limit = limit
+        self._called = called
         # method path -> (grpc's handler, ours); only registered methods get here, so it stays small
         self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    @property
-    def largest_message(self) -> int:
-        """The largest request any method takes: gRPC's global receive limit."""
-        return max(self.default_limit, *self.limits.values())
-
     def intercept_service(self, continuation, handler_call_details):
+        self._called()
         handler = continuation(handler_call_details)
         if handler is None:
             return None  # unknown method: gRPC answers UNIMPLEMENTED
@@ -127,6 +117,6 @@ class WireGuard(grpc.ServerInterceptor):
         cached = self._guarded.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        guarded = _guard(handler, method, self.limits.get(method, self.default_limit))
+        guarded = _guard(handler, method)
         self._guarded[method] = (handler, guarded)
         return guarded

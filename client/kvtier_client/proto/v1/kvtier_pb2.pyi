@@ -350,7 +350,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces")
+    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces", "history_entries", "history_limit", "history_bytes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,9 @@ class PoolStats(_message.Message):
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     layout: PageLayout
     page_bytes: int
@@ -365,21 +368,28 @@ class PoolStats(_message.Message):
     lookup_blocks: int
     miss_blocks: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    history_entries: int
+    history_limit: int
+    history_bytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., history_entries: _Optional[int] = ..., history_limit: _Optional[int] = ..., history_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "pools", "sessions", "leases", "uptime_seconds")
+    __slots__ = ("version", "pools", "sessions", "leases", "uptime_seconds", "namespaces", "max_namespaces")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     version: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     sessions: int
     leases: int
     uptime_seconds: float
-    def __init__(self, version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    namespaces: int
+    max_namespaces: int
+    def __init__(self, version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[int] = ..., max_namespaces: _Optional[int] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "keys", "pool_id")
@@ -430,16 +440,18 @@ class ReadPagesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class PageData(_message.Message):
-    __slots__ = ("session_id", "lease_id", "index", "data")
+    __slots__ = ("session_id", "lease_id", "index", "data", "offset")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
     index: int
     data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("pages",)
