@@ -33,12 +33,12 @@ import numpy as np
 
 from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
-from kvtier_client.device import DeviceArenaView
+from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
     BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
 )
 from kvtier_client.events import EventStream
-from kvtier_client.handoff import attach
+from kvtier_client.handoff import DeviceGrant, attach, fetch_device_slots
 from kvtier_client.hotpath import Granted, GrpcPath, HotPath, LanePath
 from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.ids import SessionId, short_session
@@ -102,7 +102,9 @@ class _Session:
     key: str = field(repr=False)  # every call of the session carries it
     arena: HostArenaView | None
     path: HotPath  # the hot calls: the fast lane, or gRPC
-    device: DeviceArenaView | None = None  # opened on the first device lease
+    device: DeviceArenaView | NamespaceDeviceView | None = None  # opened on the first device lease
+    device_grant: DeviceGrant | None = None  # memory per namespace: what attaching gave
+    fetch_device: FetchSlots | None = None  # asks the daemon for this namespace's device slots
 
     @property
     def session_id(self) -> SessionId:
@@ -116,12 +118,16 @@ class _Session:
         with _DEVICE_OPEN_LOCK:  # one mapping per session, whichever thread asks first
             return self._open_device()
 
-    def _open_device(self) -> DeviceArenaView:
+    def _open_device(self) -> DeviceArenaView | NamespaceDeviceView:
         if self.device is None:
             info = self.info
-            self.device = DeviceArenaView(
-                info.device_ipc_handle, info.device_arena_bytes, info.device_pci_bus_id, info.layout, info.slot_bytes
-            )
+            if self.device_grant is not None and self.fetch_device is not None:
+                grant, self.device_grant = self.device_grant, None  # the view owns its table now
+                self.device = NamespaceDeviceView(grant, info.layout, self.fetch_device)
+            else:
+                self.device = DeviceArenaView(
+                    info.device_ipc_handle, info.device_arena_bytes, info.device_pci_bus_id, info.layout, info.slot_bytes
+                )
         return self.device
 
     def close(self) -> None:
@@ -130,6 +136,9 @@ class _Session:
             self.arena.close()
         if self.device is not None:
             self.device.close()
+        if self.device_grant is not None:
+            os.close(self.device_grant.table_fd)
+            self.device_grant = None
 
 
 class KVTierClient:
@@ -242,15 +251,22 @@ class KVTierClient:
                 return _Session(info, key, None, GrpcPath(self._conn, info.session_id, key))
             attachment = attach(info.handoff_socket, info.session_id, self._conn.token, timeout=self._conn.timeout)
             key = attachment.session_key
+            grant = attachment.device
             try:
                 arena = self._map(info, attachment.arena_fd) if self.map_arena else None
+                path = self._hot_path(info, key)
+            except BaseException:
+                if grant is not None:
+                    os.close(grant.table_fd)
+                raise
             finally:
                 os.close(attachment.arena_fd)
-            path = self._hot_path(info, key)
         except BaseException:
             self._close_session(info.session_id, key)
             raise
-        return _Session(info, key, arena, path)
+        handoff, token, timeout = info.handoff_socket, self._conn.token, self._conn.timeout
+        return _Session(info, key, arena, path, device_grant=grant, fetch_device=lambda slots: fetch_device_slots(
+            handoff, info.session_id, token, slots, timeout=timeout))
 
     def _hot_path(self, info: PoolInfo, key: str) -> HotPath:
         """The fast lane when the daemon offers it and it opens; else gRPC."""

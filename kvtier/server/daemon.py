@@ -135,9 +135,6 @@ class Daemon:
         guard = WireGuard(REQUEST_MESSAGE_BYTES, called=self.heap.called)
         if cfg.metrics.port:  # first: /healthz answers (and /readyz says 503) while the rest starts
             self._metrics_server = self.metrics.serve(cfg.metrics.host, cfg.metrics.port, ready=self.serving)
-        if cfg.tiers.device_size and cfg.auth.mode is AuthMode.TOKENS:
-            log.warning("the device tier is one arena per layout, shared by every namespace: a client of any namespace "
-                        "can read its pages (docs/security.md)")
         adopted = self.pools.adopt_kept()  # a crashed predecessor's host pages, before anyone asks
         if adopted:
             log.info("host memory of a previous daemon adopted", extra={"pools": adopted})

@@ -19,6 +19,7 @@ from kvtier_client.errors import InvalidArgument, KVTierError
 from kvtier_client.handoff import MESSAGE_BYTES
 
 from kvtier.mechanism.keeper import peer_credentials
+from kvtier.server.device_handoff import attach_device, map_device
 from kvtier.server.listener import SeqpacketListener
 from kvtier.server.sessions import Process, SessionManager
 
@@ -59,14 +60,14 @@ class Handoff:
                 conn.settimeout(ATTACH_TIMEOUT_S)
                 process = Process(*peer_credentials(conn))
                 try:
-                    reply, fd = self._attach(conn.recv(MESSAGE_BYTES), process)
+                    reply, fds = self._attach(conn.recv(MESSAGE_BYTES), process)
                 except KVTierError as exc:
-                    reply, fd = {"ok": False, "code": exc.code, "message": str(exc)}, None
+                    reply, fds = {"ok": False, "code": exc.code, "message": str(exc)}, []
                 data = json.dumps(reply).encode()
-                if fd is None:
+                if not fds:
                     conn.sendall(data)
                 else:
-                    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError as exc:
             log.info("attach connection failed", extra={"reason": str(exc)})
         except Exception:
@@ -74,7 +75,8 @@ class Handoff:
         finally:
             self._slots.release()
 
-    def _attach(self, data: bytes, process: Process) -> tuple[dict, int]:
+    def _attach(self, data: bytes, process: Process) -> tuple[dict, list[int]]:
+        """The reply and the descriptors it carries (owned by the arenas: never closed here)."""
         try:
             request = json.loads(data)
             session_id, token = request["session_id"], request.get("token")
@@ -83,5 +85,9 @@ class Handoff:
         except (ValueError, TypeError, KeyError):
             raise InvalidArgument('an attach request is {"session_id": "...", "token": "..." or null}') from None
         session = self._sessions.attach(session_id, process, token)
+        if "device_slots" in request:  # the attached process asks for its namespace's device memory
+            return map_device(session.pool, session.namespace, request["device_slots"])
         host = session.pool.host
-        return {"ok": True, "session_key": session.key, "arena_bytes": host.size}, host.file_for(session.namespace)
+        device, device_fds = attach_device(session.pool, session.namespace)
+        reply = {"ok": True, "session_key": session.key, "arena_bytes": host.size, **device}
+        return reply, [host.file_for(session.namespace), *device_fds]

@@ -26,7 +26,7 @@ from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
 from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RedisClusterStore
 from kvtier.mechanism.cluster.tier import LatencyObserver
-from kvtier.mechanism.device import CopyEngine, DeviceArena, DeviceNoSpace, pin_host
+from kvtier.mechanism.device import AnyDeviceArena, CopyEngine, DeviceNoSpace, open_device_arena, pin_host
 from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier, FsyncPolicy
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
@@ -120,7 +120,6 @@ class Pool:
         seals disk and cluster pages to their identity (unkeyed by default)."""
         host_pages = layout.pages_in(config.host_bytes, "host")
         disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
-        device_pages = layout.pages_in(config.device_bytes, "device") if config.device_bytes else 0
         if disk_pages and not config.disk_dir:
             raise ValueError("a disk tier needs a directory: set disk_dir")
         self.layout = layout
@@ -131,14 +130,17 @@ class Pool:
         self.bandwidth: dict[Tier, Throughput] = {Tier.HOST: Throughput(probe_memcpy)}
         self.disk: DiskTier | None = None
         self.reader: DiskReader | None = None
-        self.device: DeviceArena | None = None
+        self.device: AnyDeviceArena | None = None
         self.copies: CopyEngine | None = None
         self.write_back: WriteBackThread | None = None
         self.cluster: ClusterParts | None = None
         self._unpin_host = None
         try:
-            if device_pages:
-                self.device = DeviceArena(layout, device_pages, config.gpu)
+            device_pages = 0
+            if config.device_bytes:  # its page count follows from the GPU's allocation granularity
+                self.device = open_device_arena(layout, config.device_bytes, config.gpu,
+                                                name=f"{config.arena_prefix}-{layout.layout_id}")
+                device_pages = self.device.pages
                 self._unpin_host = pin_host(self.host, config.gpu)
                 self.copies = CopyEngine(self.host, self.device)
                 self.bandwidth[Tier.DEVICE] = self.copies.throughput
