@@ -192,8 +192,8 @@ def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
     tiers' table and its namespaces' table."""
     strong = "" if plain else "bold"
     parts: list[RenderableType] = [Text(
-        f"kvtier {reply.version} · up {reply.uptime_seconds:.0f}s · {reply.sessions} sessions · {reply.leases} leases",
-        style=strong)]
+        f"kvtier {reply.version} · up {reply.uptime_seconds:.0f}s · {reply.sessions} sessions · {reply.leases} leases · "
+        f"{reply.namespaces} namespaces (max_namespaces {reply.max_namespaces})", style=strong)]
     if not reply.pools:
         parts.append(Text("no pools yet: a pool is created when the first client registers a layout"))
     for pool in reply.pools:
@@ -201,7 +201,8 @@ def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
         parts.append(Text(
             f"pool {pool.pool_id}: {lay.layers} layers x {lay.kv_heads} kv heads x {lay.head_dim} dim, "
             f"{lay.block_tokens} tokens/page, {lay.dtype}, page {_human_bytes(pool.page_bytes)}; "
-            f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed", style="" if plain else "green"))
+            f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed; miss history {pool.history_entries} of "
+            f"{pool.history_limit} blocks ({_human_bytes(pool.history_bytes)})", style="" if plain else "green"))
         parts.append(table(_TIER_COLUMNS, _tier_rows(pool), plain=plain))
         if pool.namespaces:
             parts.append(table(_NAMESPACE_COLUMNS, _namespace_rows(pool), left=2, text_last=True, plain=plain))

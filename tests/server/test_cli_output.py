@@ -46,6 +46,7 @@ def test_stats_into_a_pipe_is_plain_table_text(daemon):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("kvtier 0.1.0 · up ") and "1 sessions" in lines[0]
     assert lines[1].startswith("pool ") and "3 blocks looked up, 0 missed" in lines[1]
+    assert "1 namespaces (max_namespaces 64)" in lines[0] and "miss history 0 of 65536 blocks (0 B)" in lines[1]
     assert lines[2].split() == TIER_HEADER
     rows = rows_of(out.stdout)
     assert rows["host"][1:6] == ["256", "3", "0", "3", "0"] and rows["host"][7] == "1.000"

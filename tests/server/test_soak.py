@@ -142,6 +142,7 @@ def test_memory_is_flat_under_many_namespaces_misses_and_abrupt_exits(daemons):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_memory_is_flat_for_ten_minutes(daemons):
     """The default history (65,536 entries, full within the two-minute warm-up), then 10 minutes."""
     soak(daemons, warm_up_s=120, measure_s=600, history_size=65_536, max_slope_mib_per_min=1.0)
