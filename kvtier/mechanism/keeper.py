@@ -11,34 +11,35 @@ the host tier.
 
     daemon --- SOCK_SEQPACKET, <cache_dir>/.kvtier-keeper-<id>.sock (mode 0600, peer uid
                checked; in the daemon's private directory, never the socket volume) --- keeper
-      {"op": "keep", "name", "meta"} + fd      hold it (replacing one of that name)
-      {"op": "drop", "name"}                   close it
-      {"op": "list"}  -> one {"name", "meta"} + fd per entry, then {"end": true}
-      {"op": "exit"}                           close all and exit
+    messages: kvtier.mechanism.keeper_wire
 
-The keeper serves one daemon at a time. Like the daemon, it trusts its own uid and root:
-a process of the daemon's user can take every namespace's memory (docs/security.md).
+The keeper serves any number of peers without blocking on one, checks every message, and
+never lets a peer that is not a daemon hold it (kvtier.mechanism.keeper_process); the
+daemon's side waits for it at most `_ANSWER_TIMEOUT` and says what to do if it must.
 """
 from __future__ import annotations
 
-import array
 import hashlib
-import json
 import logging
 import os
-import select
 import socket
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+
+from kvtier.mechanism.keeper_process import main
+from kvtier.mechanism.keeper_wire import (
+    KeptFile, Op, close_all, parse_entry, peer_credentials, receive, send, socket_address,
+)
+
+__all__ = ["KeeperClient", "KeeperError", "KeeperGone", "KeptFile", "keeper_path", "peer_credentials", "socket_address"]
 
 log = logging.getLogger(__name__)
 
-_MESSAGE_BYTES = 64 * 1024
+#: How long the daemon waits for each message of its keeper's answer, and for room to send
+#: (the keeper answers within milliseconds unless it is stopped or stuck).
+_ANSWER_TIMEOUT = 3.0
 #: How long a starting daemon waits for a keeper it spawned to listen.
 _START_TIMEOUT = 10.0
 
@@ -50,63 +51,34 @@ def keeper_path(cache_dir: str, socket_path: str) -> str:
     return os.path.join(cache_dir, f".kvtier-keeper-{tag}.sock")
 
 
-@contextmanager
-def socket_address(path: str) -> Iterator[str]:
-    """A name for `path` that fits a Unix socket address (107 bytes) however deep its
-    directory: /proc/self/fd/<the directory's descriptor>/<file name>."""
-    directory = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{directory}/{os.path.basename(path)}"
-    finally:
-        os.close(directory)
+class KeeperError(RuntimeError):
+    """The keeper did not answer as it should; the text says what to do."""
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket, from the kernel."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
-def _send(sock: socket.socket, message: dict, fd: int | None = None) -> None:
-    data = json.dumps(message).encode()
-    if fd is None:
-        sock.sendmsg([data])
-    else:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-
-
-def _receive(sock: socket.socket) -> tuple[dict | None, int | None]:
-    """One message and the descriptor it carries (None: none); (None, None) at end of stream."""
-    data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 1)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, None
-    return json.loads(data), (fds[0] if fds else None)
-
-
-@dataclass
-class KeptFile:
-    """A descriptor the keeper held for us, with what the daemon said it was."""
-
-    name: str
-    meta: dict
-    fd: int
+class KeeperGone(KeeperError):
+    """The keeper hung up before its listing ended: it was ending (its window ran out, or it
+    was killed) as we connected."""
 
 
 class KeeperClient:
-    """The daemon's connection to its keeper (one per daemon)."""
+    """The daemon's conversation with its keeper (one per daemon), opened by `connect`: it
+    holds the keeper and has taken everything it kept."""
 
-    def __init__(self, sock: socket.socket, process: subprocess.Popen | None) -> None:
-        self._sock = sock
-        self._process = process  # ours to reap when we spawned it
+    def __init__(self, sock: socket.socket, path: str, kept: list[KeptFile]) -> None:
+        self._sock: socket.socket | None = sock
+        self._path = path
+        self._kept = kept
+        self._process: subprocess.Popen | None = None  # ours to reap when we spawned it
 
     @classmethod
     def connect_or_start(cls, path: str, linger: float) -> "KeeperClient":
         """Connect to the keeper left by a previous daemon of this socket path, or start one.
         The caller holds the socket's claim (kvtier.server.startup), so no other daemon
         competes for it."""
-        found = cls.connect(path)
+        try:
+            found = cls.connect(path)
+        except KeeperGone:
+            found = None  # it unlinks its own socket only, so a new one may take the path
         if found is not None:
             log.info("arena keeper found: a previous daemon's host arenas may be adopted", extra={"keeper": path})
             return found
@@ -120,151 +92,128 @@ class KeeperClient:
         )
         deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline:
-            sock = cls._connect(path)
-            if sock is not None:
-                return cls(sock, process)
+            client = cls.connect(path)
+            if client is not None:
+                client._process = process
+                return client
             if process.poll() is not None:
                 break
             time.sleep(0.01)
         process.kill()
         process.wait()
-        raise RuntimeError(f"arena keeper did not start at {path} (exit code {process.returncode}); see its stderr")
+        raise KeeperError(f"arena keeper did not start at {path} (exit code {process.returncode}); see its stderr")
 
     @classmethod
     def connect(cls, path: str) -> "KeeperClient | None":
-        """The keeper listening at `path`, or None when there is none."""
-        sock = cls._connect(path)
-        return cls(sock, None) if sock is not None else None
-
-    @staticmethod
-    def _connect(path: str) -> socket.socket | None:
+        """Hold the keeper listening at `path` and take what it keeps; None when there is
+        none. KeeperError when it is silent for `_ANSWER_TIMEOUT`."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        # A blocking Unix connect waits for room in the keeper's backlog at most this long.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_ANSWER_TIMEOUT), 0))
         try:
             with socket_address(path) as address:
                 sock.connect(address)
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
             return None
-        _, uid, _ = peer_credentials(sock)
+        except BlockingIOError:
+            sock.close()
+            raise KeeperError(f"arena keeper at {path} has no room for another connection after "
+                              f"{_ANSWER_TIMEOUT:.0f} s: {cls._remedy(path, None)}") from None
+        pid, uid, _ = peer_credentials(sock)
         if uid not in (os.getuid(), 0):
             sock.close()
-            raise RuntimeError(f"{path} is served by uid {uid}, not by us: refusing to hand it memory")
-        return sock
+            raise KeeperError(f"{path} is served by uid {uid}, not by us: refusing to hand it memory")
+        kept: list[KeptFile] = []
+        try:
+            cls._hold(sock, path, pid, kept)
+        except BaseException:
+            close_all([f.fd for f in kept])
+            sock.close()
+            raise
+        return cls(sock, path, kept)
+
+    @classmethod
+    def _hold(cls, sock: socket.socket, path: str, pid: int, kept: list[KeptFile]) -> None:
+        """Ask to hold the keeper and take its listing into `kept` (each message within
+        `_ANSWER_TIMEOUT`: a long listing takes as long as it moves)."""
+        sock.settimeout(_ANSWER_TIMEOUT)  # also for keeps and drops: a stopped keeper is let go after this
+        try:
+            send(sock, {"op": Op.LIST.value, "hold": True})
+            while True:
+                data, fds, _ = receive(sock)
+                if not data and not fds:
+                    raise KeeperGone(f"arena keeper at {path} (pid {pid}) hung up while listing: it was ending "
+                                     "(its warm_restart_window ran out, or it was killed); start again")
+                try:
+                    entry = parse_entry(data, fds)
+                except ValueError as exc:
+                    close_all(fds)
+                    raise KeeperError(f"arena keeper at {path} (pid {pid}) gave {exc}: {cls._remedy(path, pid)}") from None
+                if entry is None:
+                    return
+                kept.append(entry)
+        except TimeoutError:
+            raise KeeperError(f"arena keeper at {path} (pid {pid}) did not answer within {_ANSWER_TIMEOUT:.0f} s "
+                              f"(stopped or stuck?): {cls._remedy(path, pid)}") from None
+        except OSError as exc:
+            raise KeeperError(f"arena keeper at {path} (pid {pid}) failed: {exc}: {cls._remedy(path, pid)}") from None
+
+    @staticmethod
+    def _remedy(path: str, pid: int | None) -> str:
+        who = f"kill {pid}" if pid else f"kill the process serving {path}"
+        return (f"end it ({who}: the previous daemon's host pages are then lost and this start is cold) and start "
+                "again, or start with warm_restart_window = 0")
 
     def take_all(self) -> list[KeptFile]:
-        """Every descriptor the keeper holds (duplicates: it keeps holding them)."""
-        _send(self._sock, {"op": "list"})
-        kept = []
-        while True:
-            message, fd = _receive(self._sock)
-            if message is None:
-                raise RuntimeError("arena keeper closed the connection while listing")
-            if message.get("end"):
-                return kept
-            kept.append(KeptFile(message["name"], message["meta"], fd))
+        """Every descriptor the keeper held when we connected (duplicates: it keeps holding
+        them), now the caller's to close. Once: later calls return nothing."""
+        kept, self._kept = self._kept, []
+        return kept
 
     def keep(self, name: str, fd: int, meta: dict) -> None:
-        _send(self._sock, {"op": "keep", "name": name, "meta": meta}, fd)
+        self._tell({"op": Op.KEEP.value, "name": name, "meta": meta}, fd)
 
     def drop(self, name: str) -> None:
-        _send(self._sock, {"op": "drop", "name": name})
+        self._tell({"op": Op.DROP.value, "name": name})
+
+    def _tell(self, message: dict, fd: int | None = None) -> None:
+        """Keeps and drops are not answered. A keeper gone (killed, ended, or it let us go)
+        costs the warm restart, not the daemon: host memory works on without it."""
+        sock = self._sock  # once: another thread may lose it meanwhile
+        if sock is None:
+            return
+        try:
+            send(sock, message, fd)
+        except OSError as exc:
+            log.warning("arena keeper lost: host pages will not survive a crash of this daemon",
+                        extra={"keeper": self._path, "reason": str(exc) or type(exc).__name__})
+            self._sock = None
+            sock.close()
 
     def close(self, *, keep: bool) -> None:
         """keep=False: the keeper frees everything and exits; keep=True: it holds the arenas
         for the next daemon (a stop cut short), as after a crash."""
+        close_all([f.fd for f in self.take_all()])
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                if not keep:
+                    send(sock, {"op": Op.EXIT.value})
+                    sock.recv(1)  # the keeper hangs up once everything is freed
+            except OSError:
+                pass  # it is gone already
+            sock.close()
+        if self._process is None:
+            return
+        if keep or sock is None:
+            self._process.poll()  # reaped if it has gone; else it holds on for a successor
+            return
         try:
-            if not keep:
-                _send(self._sock, {"op": "exit"})
-                self._sock.recv(1)  # the keeper closes its end once everything is freed
-        except OSError:
-            pass  # it is gone already
-        self._sock.close()
-        if self._process is not None and not keep:
             self._process.wait(timeout=_START_TIMEOUT)
-
-
-# -- the keeper process ---------------------------------------------------------------
-@dataclass
-class _Keeper:
-    path: str
-    linger: float
-    files: dict[str, tuple[dict, int]] = field(default_factory=dict)
-
-    def serve(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
-        try:
-            with socket_address(self.path) as address:
-                listener.bind(address)  # mode 0600: only our uid (and root) may connect
-        finally:
-            os.umask(old)
-        listener.listen(1)
-        served = False
-        try:
-            while True:
-                if served and not self.files:
-                    return  # the daemon went, leaving nothing to keep
-                ready, _, _ = select.select([listener], [], [], self.linger if served else _START_TIMEOUT)
-                if not ready:
-                    log.warning("no daemon came back for %.0f s: freeing %d kept files", self.linger, len(self.files))
-                    return
-                conn, _ = listener.accept()
-                with conn:
-                    _, uid, _ = peer_credentials(conn)
-                    if uid not in (os.getuid(), 0):
-                        continue
-                    served = True
-                    if self._serve_daemon(conn):
-                        return
-        finally:
-            for _, fd in self.files.values():
-                os.close(fd)
-            self.files.clear()
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            listener.close()
-
-    def _serve_daemon(self, conn: socket.socket) -> bool:
-        """Serve one daemon until it disconnects (False) or says exit (True)."""
-        while True:
-            try:
-                message, fd = _receive(conn)
-            except (OSError, ValueError):
-                return False
-            if message is None:
-                return False
-            op = message.get("op")
-            if op == "keep" and fd is not None:
-                old = self.files.pop(message["name"], None)
-                if old is not None:
-                    os.close(old[1])
-                self.files[message["name"]] = (message.get("meta", {}), fd)
-            elif op == "drop":
-                old = self.files.pop(message["name"], None)
-                if old is not None:
-                    os.close(old[1])
-            elif op == "list":
-                for name, (meta, kept) in self.files.items():
-                    _send(conn, {"name": name, "meta": meta}, kept)
-                _send(conn, {"end": True})
-            elif op == "exit":
-                for _, kept in self.files.values():
-                    os.close(kept)
-                self.files.clear()
-                return True
-            elif fd is not None:
-                os.close(fd)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m kvtier.mechanism.keeper SOCKET_PATH LINGER_SECONDS", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="kvtier keeper: %(message)s")
-    _Keeper(argv[0], float(argv[1])).serve()
-    return 0
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""The arena keeper process (started as `python -m kvtier.mechanism.keeper`; what it is
+for: kvtier.mechanism.keeper). It trusts its own uid and root, as the daemon does: such a
+process can take every namespace's memory, or end the keeper (docs/security.md). What it
+does not trust is that such a process speaks the protocol. Each connection is one
+*conversation*, served by one event loop in one thread that never blocks on a peer:
+
+- a conversation that is not a daemon's gets one request, checked (keeper_wire), and its
+  answer, and must keep moving: silent for `_SILENCE` (1 s), or open for `_LIFETIME` in
+  all, and the keeper hangs up; a message that is not a request gets an error and a
+  hang-up; a peer that hung up early or does not read costs its own conversation only;
+- a daemon's conversation (a `list` with `hold`) stays open; its hang-up starts the linger;
+- at most `_CONVERSATIONS` are open at once (more wait in the listen backlog), at most
+  `_HOLDERS` of them daemons', and at most `_FILES` files are kept.
+
+So no peer ends the keeper, loses a file it keeps, or delays a daemon's start, other than
+by asking for it (`exit`, `drop`, a `keep` of the same name) or by signals.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import selectors
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.mechanism.keeper_wire import (
+    BadMessage, Op, Request, close_all, parse_request, peer_credentials, receive, send, socket_address,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long a new keeper waits for the daemon that spawned it to hold it.
+_FIRST_HOLD = 10.0
+#: A conversation that is not a daemon's: hung up after this long without a request or a
+#: reply taken, and after `_LIFETIME` in all.
+_SILENCE = 1.0
+_LIFETIME = 10.0
+_CONVERSATIONS = 64
+#: Daemons' conversations at once (only one daemon serves a socket; more are impostors or
+#: leftovers): the one that holds the longest is let go for a new one.
+_HOLDERS = 8
+_FILES = 65536
+#: Messages of one daemon's conversation taken in a row (a daemon sends a few at a time).
+_BURST = 64
+
+
+@dataclass(eq=False)
+class _Conversation:
+    """One peer's connection. Its first message is its request; a `list` with `hold` makes
+    it a daemon's (`holder`), whose keeps, drops and exit follow for as long as it stays."""
+
+    sock: socket.socket
+    pid: int
+    opened: float
+    heard: float  # the last request, or reply taken
+    holder: bool = False
+    answered: bool = False  # not a holder, and its one request is in: hang up once its replies are out
+    replies: deque[str | None] = field(default_factory=deque)  # names still to list; None: the end
+
+    def deadline(self) -> float | None:
+        if self.holder:
+            return self.heard + _SILENCE if self.replies else None
+        return min(self.heard + _SILENCE, self.opened + _LIFETIME)
+
+    def events(self) -> int:
+        wanted = 0 if self.answered else selectors.EVENT_READ
+        return wanted | (selectors.EVENT_WRITE if self.replies else 0)
+
+
+class _Stop(Exception):
+    """An `exit` request."""
+
+
+class Keeper:
+    """The keeper process: one event loop over the listener and every conversation."""
+
+    def __init__(self, path: str, linger: float) -> None:
+        self.path = path
+        self.linger = linger
+        self.files: dict[str, tuple[dict, int]] = {}  # name -> (meta, descriptor)
+        self.talks: dict[socket.socket, _Conversation] = {}
+        self.held = False  # a daemon has held us (so its going starts the linger)
+        self.alone_since = time.monotonic()  # since when no daemon holds us
+        self.max_files = _FILES
+        self._selector = selectors.DefaultSelector()  # epoll: descriptors beyond 1024 are the rule here
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listening = False
+
+    def serve(self) -> None:
+        self._raise_file_limit()
+        listener = self._listener
+        old = os.umask(0o177)
+        try:
+            with socket_address(self.path) as address:
+                listener.bind(address)  # mode 0600: only our uid (and root) may connect
+        finally:
+            os.umask(old)
+        bound = os.stat(self.path).st_ino
+        listener.listen(_CONVERSATIONS)
+        listener.setblocking(False)
+        try:
+            while (timeout := self._tick()) is not False:
+                for key, events in self._selector.select(timeout):
+                    if key.fileobj is listener:
+                        self._accept()
+                    elif key.fileobj in self.talks:  # not hung up by an earlier event of this round
+                        self._serve(self.talks[key.fileobj], events)
+        except _Stop:
+            pass
+        finally:
+            try:
+                if os.stat(self.path).st_ino == bound:  # not a successor keeper's socket
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            listener.close()
+            close_all([fd for _, fd in self.files.values()])
+            self.files.clear()
+            for talk in list(self.talks.values()):
+                talk.sock.close()
+            self._selector.close()
+
+    def _raise_file_limit(self) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        room = (soft if soft != resource.RLIM_INFINITY else _FILES) - 2 * _CONVERSATIONS - 32
+        self.max_files = max(0, min(_FILES, room))
+
+    def _tick(self) -> float | None | bool:
+        """Hang up on conversations past their deadline and decide whether to go on: the
+        select timeout (None: none), or False to exit."""
+        now = time.monotonic()
+        for talk in [t for t in self.talks.values() if (d := t.deadline()) is not None and d <= now]:
+            self._hang_up(talk)
+        deadlines = [d for t in self.talks.values() if (d := t.deadline()) is not None]
+        if not any(t.holder for t in self.talks.values()):
+            if self.held and not self.files:
+                return False  # the daemon went, leaving nothing to keep
+            end = self.alone_since + (self.linger if self.held else _FIRST_HOLD)
+            if now >= end:
+                log.warning("no daemon came back for %.0f s: freeing %d kept files", end - self.alone_since, len(self.files))
+                return False
+            deadlines.append(end)
+        listen = len(self.talks) < _CONVERSATIONS
+        if listen != self._listening:
+            if listen:
+                self._selector.register(self._listener, selectors.EVENT_READ)
+            else:
+                self._selector.unregister(self._listener)
+            self._listening = listen
+        return max(min(deadlines) - now, 0.0) if deadlines else None
+
+    def _accept(self) -> None:
+        while len(self.talks) < _CONVERSATIONS:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of descriptors: the cap on kept files leaves room, but say so
+                log.warning("cannot accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            pid, uid, _ = peer_credentials(sock)
+            if uid not in (os.getuid(), 0):
+                sock.close()
+                continue
+            now = time.monotonic()
+            self.talks[sock] = talk = _Conversation(sock, pid, now, now)
+            self._selector.register(sock, talk.events())
+
+    def _serve(self, talk: _Conversation, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._flush(talk)
+            if events & selectors.EVENT_READ and not talk.answered:
+                self._hear(talk)
+        except OSError:  # EPIPE, ECONNRESET: the peer went; only this conversation ends
+            self._hang_up(talk)
+            return
+        if talk.sock not in self.talks:
+            return
+        if talk.answered and not talk.replies:
+            self._hang_up(talk)
+        else:
+            self._selector.modify(talk.sock, talk.events())
+
+    def _hear(self, talk: _Conversation) -> None:
+        """Take what the peer sent: its one request, or all that a daemon's conversation has
+        queued (at most `_BURST`), so that what a daemon sent before another peer connected
+        is done before that peer's request is read."""
+        for _ in range(_BURST):
+            try:
+                data, fds, flags = receive(talk.sock)
+            except BlockingIOError:
+                return
+            if not data and not fds:
+                self._hang_up(talk)
+                return
+            try:
+                request = parse_request(data, fds, flags)
+            except BadMessage as exc:
+                close_all(fds)
+                self._refuse(talk, str(exc))
+                return
+            talk.heard = time.monotonic()
+            self._do(talk, request)
+            if talk.sock not in self.talks:
+                return
+            if not talk.holder:
+                talk.answered = True
+                return
+
+    def _do(self, talk: _Conversation, request: Request) -> None:
+        if request.op is Op.EXIT:
+            raise _Stop
+        if request.op is Op.LIST:
+            if talk.holder:
+                self._refuse(talk, "a daemon's conversation lists once, at its start")
+                return
+            talk.replies.extend(self.files)
+            talk.replies.append(None)
+            if request.hold:
+                self._hold(talk)
+        elif request.op is Op.KEEP:
+            if request.name not in self.files and len(self.files) >= self.max_files:
+                os.close(request.fd)
+                self._refuse(talk, f"the keeper already holds {len(self.files)} files, its most", hang_up=not talk.holder)
+                return
+            old = self.files.pop(request.name, None)
+            if old is not None:
+                os.close(old[1])
+            self.files[request.name] = (request.meta, request.fd)
+        elif request.op is Op.DROP:
+            old = self.files.pop(request.name, None)
+            if old is not None:
+                os.close(old[1])
+
+    def _hold(self, talk: _Conversation) -> None:
+        talk.holder, self.held = True, True
+        holders = [t for t in self.talks.values() if t.holder]
+        if len(holders) > _HOLDERS:
+            oldest = min(holders, key=lambda t: t.opened)
+            log.warning("a daemon connected while %d hold the keeper: letting go of the oldest (pid %d)",
+                        len(holders) - 1, oldest.pid)
+            self._hang_up(oldest)
+
+    def _flush(self, talk: _Conversation) -> None:
+        """Send what fits of a listing; the rest when the peer has read some. A file
+        dropped meanwhile is left out."""
+        while talk.replies:
+            name = talk.replies[0]
+            entry = self.files.get(name) if name is not None else None
+            try:
+                if name is None:
+                    send(talk.sock, {"end": True})
+                elif entry is not None:
+                    send(talk.sock, {"name": name, "meta": entry[0]}, entry[1])
+            except BlockingIOError:
+                return
+            talk.replies.popleft()
+            talk.heard = time.monotonic()
+
+    def _refuse(self, talk: _Conversation, why: str, *, hang_up: bool = True) -> None:
+        """Say what was wrong (a daemon's conversation reads no errors: the log has them)."""
+        log.warning("refused a request from pid %d: %s", talk.pid, why)
+        if not talk.holder:
+            try:
+                send(talk.sock, {"error": why})
+            except OSError:
+                pass
+        if hang_up:
+            self._hang_up(talk)
+
+    def _hang_up(self, talk: _Conversation) -> None:
+        self._selector.unregister(talk.sock)
+        del self.talks[talk.sock]
+        talk.sock.close()
+        if talk.holder and not any(t.holder for t in self.talks.values()):
+            self.alone_since = time.monotonic()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m kvtier.mechanism.keeper SOCKET_PATH LINGER_SECONDS", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="kvtier keeper: %(message)s")
+    Keeper(argv[0], float(argv[1])).serve()
+    return 0
+
+
