@@ -28,6 +28,7 @@ import socket
 from dataclasses import dataclass
 
 from kvtier_client.errors import ERRORS_BY_CODE, KVTierError, Unavailable
+from kvtier_client.seqpacket import connect
 
 MESSAGE_BYTES = 64 * 1024
 
@@ -57,9 +58,8 @@ class Attachment:
 def _exchange(path: str, request: dict, max_fds: int, timeout: float, what: str) -> tuple[dict, list[int]]:
     """One request and its reply with its descriptors (the caller owns them once returned)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
-        sock.settimeout(timeout)
         try:
-            sock.connect(path)
+            connect(sock, path, timeout)
             sock.sendall(json.dumps(request).encode())
             data, fds, flags, _ = socket.recv_fds(sock, MESSAGE_BYTES, max_fds)
         except OSError as exc:

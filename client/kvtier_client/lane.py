@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvtier_client import frames
 from kvtier_client.errors import KVTierError, Unavailable, from_status
 from kvtier_client.frames import FrameError
+from kvtier_client.seqpacket import connect
 
 #: Socket buffers: a whole MAX_FRAME frame must fit in one message.
 BUFFER_BYTES = 4 * frames.MAX_FRAME
@@ -63,8 +64,7 @@ class Lane:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
-            sock.settimeout(self.timeout)
-            sock.connect(self.path)
+            connect(sock, self.path, self.timeout)
             sock.send(frames.hello(0, *self._hello))
             op, status, _, body = frames.split(sock.recv(frames.MAX_FRAME))
         except (OSError, FrameError) as exc:

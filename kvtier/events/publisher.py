@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
-from kvtier_client.errors import CapacityError
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvtier.events.access import AccessOptions, EndpointAccess, connect_refusal
 from kvtier.events.curve import serve_curve
 from kvtier.events.records import Event, EventKind, Record, coalesce
 from kvtier.events.sink import PoolEvents
-from kvtier.events.watch import Watcher
+from kvtier.events.watch import Watcher, check_room
 from kvtier.events.wire import Encoder, EventFormat
 
 
@@ -155,16 +154,15 @@ class EventPublisher:
             self._sinks.append(sink)
         return sink
 
-    def watch(self, visible: Callable[[str], bool]) -> Watcher:
-        """A new WatchEvents stream's queue, fed the events of the namespaces `visible` allows."""
-        watcher = Watcher(visible)
+    def watch(self, visible: Callable[[str], bool], holder: str = "") -> Watcher:
+        """A new WatchEvents stream's queue, fed the events of the namespaces `visible` allows;
+        `holder`: whose it is (kvtier.events.watch.check_room limits each holder's streams)."""
+        watcher = Watcher(visible, holder)
         with self._lock:
             if not self._watching:
                 watcher.close()
-            elif len(self._watchers) >= MAX_WATCHERS:
-                raise CapacityError(f"the daemon serves {MAX_WATCHERS} event watchers already; close one, or "
-                                    "subscribe to its ZMQ events instead (docs/events.md)")
             else:
+                check_room(self._watchers, holder, MAX_WATCHERS)
                 self._watchers.append(watcher)
         return watcher
 

@@ -66,6 +66,8 @@ class ListenConfig:
     tls_client_ca: str  # set = mutual TLS: clients must present a certificate it signed
     insecure: bool  # allow TCP without TLS (loopback testing only)
     lane: bool  # serve the same-host fast lane (<socket>.lane) for the hot calls
+    local_first_message_timeout: float  # seconds from connecting to the handoff socket or the lane to the first message
+    local_connections_per_uid: int  # open connections per peer uid, per local socket (4x that in all)
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("insecure", "listen", BOOL, False, "Allow plaintext TCP (trusted loopback only)."),
     Option("lane", "listen", BOOL, True, "Serve the same-host fast lane (<socket>.lane): the hot calls as binary "
            "frames on a Unix socket; --no-lane leaves every client on gRPC.", off_flag="no-lane"),
+    Option("local_first_message_timeout", "listen", DURATION, "1s", "Drop a connection to the handoff socket or the "
+           "lane that sends nothing this long after connecting (each on its own clock: others are served meanwhile)."),
+    Option("local_connections_per_uid", "listen", INT, 256, "Connections one peer uid may hold open on the handoff "
+           "socket, and on the lane; past it that uid is refused, others are not (4x this in all).", metavar="N"),
     Option("auth", "auth", Kind.of(AuthMode, optional=True), "", "Namespace authorisation.",
            shown="tokens if tokens_file is set, else none", field="mode"),
     Option("tokens_file", "auth", PATH, "", 'TOML file: [tokens] "<token>" = ["namespace", ...].', shown="none"),
@@ -470,6 +476,8 @@ def _validate(cfg: DaemonConfig) -> None:
             raise ConfigError("tcp with auth = none would let anyone on the network in: configure tokens_file")
     if bool(listen.tls_cert) != bool(listen.tls_key):
         raise ConfigError("tls_cert and tls_key go together")
+    if listen.local_connections_per_uid < 1:
+        raise ConfigError("local_connections_per_uid must be at least 1 (a client needs a connection to attach)")
     if tiers.host_size <= 0:
         raise ConfigError("host_size must be positive: the host tier is where engines read and write pages")
     if tiers.device_size < 0 or tiers.gpu < 0:

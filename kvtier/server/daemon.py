@@ -25,6 +25,7 @@ from kvtier.server.explain import Explainer
 from kvtier.server.handoff import Handoff, handoff_path
 from kvtier.server.heap import Trimmer
 from kvtier.server.lane import Lane, lane_path
+from kvtier.server.listener import PeerLimits
 from kvtier.server.ops import HotOps
 from kvtier.server.metrics import Metrics, MetricsServer
 from kvtier.server.namespaces import NamespaceGate
@@ -106,9 +107,10 @@ class Daemon:
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
         self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants,
                                        on_end=self.metrics.session_ended)
-        self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions)
+        local = PeerLimits(config.listen.local_first_message_timeout, config.listen.local_connections_per_uid)
+        self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions, self.metrics, local)
         ops = HotOps(self.sessions, self.drain)
-        self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics) if config.listen.lane else None
+        self.lane = Lane(lane_path(config.listen.socket), self.sessions, ops, self.metrics, local) if config.listen.lane else None
         self.metrics.watch(self.pools.snapshot, self.sessions.count, self.pools.disk_snapshot, self.pools.bandwidth_snapshot,
                            self.pools.cluster_snapshot)
         self.namespaces = NamespaceGate(config.auth.max_namespaces, auth.names)

@@ -12,10 +12,17 @@ checked against the session again (SessionManager.still: the session still open,
 still granted), and runs on the connection's own thread, in the order sent: a Release
 sent without waiting for its reply is applied before the next frame of that connection.
 A client opens one connection per calling thread, so each thread's calls keep their order.
+
+Until its HELLO a connection is the listener's (kvtier.server.listener): it waits under its
+own deadline without a thread, and counts against its peer uid's limit, as every open
+connection does; a connection gets its thread once its HELLO arrived. A frame is one
+SOCK_SEQPACKET message, so there are no half frames to wait for: a short one is answered
+INVALID_ARGUMENT like any frame that does not decode.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -28,25 +35,21 @@ from kvtier_client.frames import FrameError, Op
 from kvtier_client.ids import short_session
 from kvtier_client.wire import tier_to_proto, tiers_to_proto_bytes
 
-from kvtier.mechanism.keeper import peer_credentials
-from kvtier.server.listener import SeqpacketListener
+from kvtier.server.listener import Connection, PeerLimits, Refusal, SeqpacketListener
 from kvtier.server.metrics import Metrics
 from kvtier.server.ops import HotOps, Resolve
 from kvtier.server.sessions import Caller, Process, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
-#: A connection that sends no HELLO is dropped after this long.
-HELLO_TIMEOUT_S = 5.0
-#: Connections served at once (one thread each); more are refused with UNAVAILABLE and the
-#: client keeps using gRPC.
-MAX_CONNECTIONS = 512
 #: Socket buffers: a whole MAX_FRAME frame must fit in one message.
 BUFFER_BYTES = 4 * frames.MAX_FRAME
 
 _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
 #: The metric's method label of each op: the gRPC method's name, so both transports line up.
 _METHOD = {op: "".join(part.title() for part in op.name.split("_")) for op in Op}
+#: poll() bits of a peer that hung up: how an end of file differs from a zero-length frame.
+_HUNG_UP = select.POLLHUP | select.POLLRDHUP
 
 
 def lane_path(socket_path: str) -> str:
@@ -54,16 +57,20 @@ def lane_path(socket_path: str) -> str:
 
 
 class Lane:
-    """The listening socket, its accept thread, and one thread per connection."""
+    """The listening socket, its accept thread, and one thread per connection past its HELLO.
+    Past a uid's limit a connection is refused with UNAVAILABLE and the client keeps using
+    gRPC."""
 
-    def __init__(self, path: str, sessions: SessionManager, ops: HotOps, metrics: Metrics, mode: int = 0o660) -> None:
+    def __init__(self, path: str, sessions: SessionManager, ops: HotOps, metrics: Metrics,
+                 limits: PeerLimits = PeerLimits(), mode: int = 0o660) -> None:
         self.path = path
-        self._listener = SeqpacketListener(path, mode, "kvtier-lane", self._accept)
+        self._listener = SeqpacketListener(path, mode, "lane", self, limits, first_bytes=frames.MAX_FRAME,
+                                           on_refused=metrics.local_connection_refused)
         self._sessions = sessions
         self._ops = ops
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._connections: dict[Connection, threading.Thread] = {}
         self._timers: dict = {}
         self._handlers: dict[Op, Callable[[Resolve, int, int, memoryview], bytes | None]] = {
             Op.HEARTBEAT: self._heartbeat, Op.LOOKUP: self._lookup, Op.BORROW: self._borrow, Op.COMMIT: self._commit,
@@ -80,9 +87,9 @@ class Lane:
             return
         with self._lock:
             connections = list(self._connections.items())
-        for conn, _ in connections:
+        for connection, _ in connections:
             try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes recv()
+                connection.sock.shutdown(socket.SHUT_RDWR)  # wakes recv()
             except OSError:
                 pass
         for _, thread in connections:
@@ -96,54 +103,41 @@ class Lane:
             timer = self._timers[(op, code)] = self._metrics.rpc_duration.labels(_METHOD.get(op, "Malformed"), code, "lane")
         return timer
 
-    def connections(self) -> int:
+    def serve(self, connection: Connection) -> None:
+        """A connection whose HELLO arrived: its own thread from now on."""
+        thread = threading.Thread(target=self._serve, args=(connection,), name="kvtier-lane-conn", daemon=True)
         with self._lock:
-            return len(self._connections)
-
-    def _accept(self, conn: socket.socket) -> None:
-        with self._lock:
-            if len(self._connections) >= MAX_CONNECTIONS:
-                self._refuse(conn)
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True)
-            self._connections[conn] = thread
+            self._connections[connection] = thread
         thread.start()
 
-    def _refuse(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.send(frames.error(Op.HELLO, 0, _STATUS["UNAVAILABLE"],
-                                       f"the daemon serves {MAX_CONNECTIONS} lane connections already; use gRPC"))
-            except OSError:
-                pass
+    def refusal(self, reason: Refusal, message: str) -> bytes:
+        status = _STATUS["DEADLINE_EXCEEDED" if reason is Refusal.DEADLINE else "UNAVAILABLE"]
+        return frames.error(Op.HELLO, 0, status, f"{message}; the client stays on gRPC")
 
     # -- one connection -----------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, connection: Connection) -> None:
+        conn = connection.sock
         try:
-            with conn:
+            with connection:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
-                process = Process(*peer_credentials(conn))
-                conn.settimeout(HELLO_TIMEOUT_S)
-                session = self._hello(conn, process)
-                if session is None:
-                    return
-                conn.settimeout(None)
-                self._frames(conn, session)
+                session = self._hello(conn, connection.process, connection.first)
+                if session is not None:
+                    self._frames(conn, session)
         except OSError as exc:
             log.debug("lane connection ended", extra={"reason": str(exc)})
         except Exception:
             log.exception("internal error on a lane connection")
         finally:
             with self._lock:
-                self._connections.pop(conn, None)
+                self._connections.pop(connection, None)
 
-    def _hello(self, conn: socket.socket, process: Process) -> Session | None:
+    def _hello(self, conn: socket.socket, process: Process, first: bytes) -> Session | None:
         """The session this connection serves, its credentials checked; None (having
         answered why) if the HELLO is refused."""
         seq = 0
         try:
-            op, flags, seq, body = frames.split(conn.recv(frames.MAX_FRAME))
+            op, flags, seq, body = frames.split(first)
             if op is not Op.HELLO:
                 raise InvalidArgument(f"a lane connection starts with HELLO, got {op.name}")
             hello = frames.read_hello(flags, body)
@@ -166,10 +160,12 @@ class Lane:
     def _frames(self, conn: socket.socket, session: Session) -> None:
         buffer = bytearray(frames.MAX_FRAME)
         view = memoryview(buffer)
+        hangup = select.poll()
+        hangup.register(conn, _HUNG_UP)
         while True:
             size = conn.recv_into(buffer, 0, socket.MSG_TRUNC)  # MSG_TRUNC: the real size, even if cut
-            if size == 0:
-                return  # the client closed it
+            if size == 0 and hangup.poll(0):
+                return  # the client closed it (else it was a zero-length frame: answered below)
             op, seq, answer = self._one(view[: min(size, len(buffer))], size, session)
             if answer is not None:
                 conn.send(answer)
@@ -181,11 +177,11 @@ class Lane:
         op: Op | None = None
         seq, code, no_reply = 0, "OK", False
         try:
+            op, flags, seq, body = frames.split(frame)  # an oversized frame's header is in its first bytes
+            no_reply = op is Op.RELEASE and bool(flags & frames.NO_REPLY)
             if size > frames.MAX_FRAME:
                 raise InvalidArgument(f"a lane frame is at most {frames.MAX_FRAME} bytes, got {size}; send fewer keys "
                                       "per call (the client sends larger requests over gRPC)")
-            op, flags, seq, body = frames.split(frame)
-            no_reply = op is Op.RELEASE and bool(flags & frames.NO_REPLY)
             handler = self._handlers.get(op)
             if handler is None:
                 raise InvalidArgument(f"{op.name} is not a call on an open lane connection")

@@ -341,6 +341,11 @@ class Metrics:
         )
         for result in ("ok", "error"):
             self.reloads.labels(result)
+        self.local_refused = Counter(
+            "kvtier_local_connections_refused", "Connections to a local socket (handoff, lane) refused at once, or "
+            "dropped for sending nothing in time, by reason: uid_limit, total_limit, deadline.", ["socket", "reason"],
+            registry=self.registry,
+        )
 
     def watch(self, snapshot: Snapshot, sessions: Callable[[], int], disk_snapshot: DiskSnapshot,
               bandwidth_snapshot: BandwidthSnapshot, cluster_snapshot: ClusterSnapshot) -> None:
@@ -376,6 +381,10 @@ class Metrics:
     def register_refused(self, code: str) -> None:
         """A Register call refused with this gRPC status code name."""
         self.register_rejected.labels(REGISTER_REJECT_REASONS.get(code, "other")).inc()
+
+    def local_connection_refused(self, socket: str, reason: str) -> None:
+        """A local socket's listener refused or dropped a connection (kvtier.server.listener)."""
+        self.local_refused.labels(socket, reason).inc()
 
     def serve(self, host: str, port: int, ready: Callable[[], bool]) -> "MetricsServer":
         """Serve /metrics, /healthz and /readyz (`ready()`: whether the daemon serves now)

@@ -21,6 +21,7 @@ from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
 
 from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
 from kvtier.events import Event, EventKind, EventPublisher, Watcher
+from kvtier.events.watch import holder_of
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
@@ -342,7 +343,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         else:
             self.auth.authenticate_any(metadata)
         token, grants = self.auth.token_of(metadata), self.auth.grants
-        return self.events.watch(lambda ns: (not wanted or ns in wanted) and grants(token, ns))
+        return self.events.watch(lambda ns: (not wanted or ns in wanted) and grants(token, ns), holder_of(token, wanted))
 
 
 def _event_pb(event: Event) -> pb.KVEvent:

@@ -143,6 +143,31 @@ def test_malformed_frames_are_answered_and_the_connection_goes_on(session):
         assert status == 0 and frames.unpack_lookup(memoryview(body))[0] == 0
 
 
+def test_an_oversized_frame_is_answered_with_its_own_op_and_seq(session):
+    """Its header is in its first bytes: the reply names the request it refuses (it used to
+    say op 0, seq 0, which a pipelining client cannot match to a request)."""
+    with connect(session.reply.lane_socket) as sock:
+        assert hello(sock, session)[0] == 0
+        sock.send(frames.header(Op.LOOKUP, 77) + b"\0" * (frames.MAX_FRAME + 1))
+        op, status, seq, body = frames.split(sock.recv(frames.MAX_FRAME))
+        assert (op, status, seq) == (Op.LOOKUP, INVALID_ARGUMENT, 77)
+        assert f"at most {frames.MAX_FRAME} bytes" in bytes(body).decode()
+        assert ask(sock, frames.heartbeat(78))[:3] == (Op.HEARTBEAT, 0, 78)  # still serving
+
+
+def test_a_zero_length_frame_is_answered_and_the_connection_goes_on(session):
+    """A zero-length message reads like an end of file; the daemon tells them apart (the
+    peer has not hung up) and answers it as a frame whose header does not decode."""
+    with connect(session.reply.lane_socket) as sock:
+        assert hello(sock, session)[0] == 0
+        for _ in range(2):
+            sock.send(b"")
+            op, status, seq, body = frames.split(sock.recv(frames.MAX_FRAME))
+            assert (op, status, seq) == (Op.MALFORMED, INVALID_ARGUMENT, 0)
+            assert "at least 8 bytes, got 0" in bytes(body).decode()
+        assert ask(sock, frames.heartbeat(3))[:3] == (Op.HEARTBEAT, 0, 3)
+
+
 def test_a_release_without_reply_is_applied_before_the_next_frame(session):
     """The host tier (256 pages) is borrowed whole; a Release sent without waiting for an
     answer, then a Borrow of the same size on the same connection, must succeed."""
