@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from kvtier_client import frames
+from kvtier_client.errors import Unavailable
 from kvtier_client.handoff import attach
 from rpc import Conn, free_port, register_request, samples, scrape
 
@@ -254,4 +255,36 @@ def test_silent_lane_connections_of_the_same_uid_do_not_delay_a_hello(daemon, si
         assert max(loaded) < bound(baseline), (baseline, loaded)
         assert refused(daemon, "lane", "deadline") >= 48
     finally:
+        conn.close()
+
+
+def test_past_its_limit_a_uid_is_refused_at_once_and_a_silent_peer_is_told_why(daemons):
+    """The two options set: 4 connections per uid, 2 s to speak (the refusals below come
+    long before the 4 held connections' deadline)."""
+    d = daemons.start("--local-connections-per-uid", "4", "--local-first-message-timeout", "2s", disk_size="0")
+    path = f"{d.socket}.handoff"
+    conn = Conn(d.target)
+    reply = conn.call("Register", register_request("limits"))
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.settimeout(10)
+            sock.connect(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as fifth:
+            fifth.settimeout(10)
+            fifth.connect(path)
+            refusal = json.loads(fifth.recv(65536))  # at once: before it even spoke
+        assert refusal["code"] == "UNAVAILABLE", refusal
+        assert f"uid {os.getuid()} has 4 connections open" in refusal["message"]
+        assert "local_connections_per_uid" in refusal["message"]
+        with pytest.raises(Unavailable):
+            attach(path, reply.session_id, None)
+        for sock in held:  # each silent one is dropped at its deadline, and told why
+            dropped = json.loads(sock.recv(65536))
+            assert dropped["code"] == "DEADLINE_EXCEEDED" and "no request within 2s" in dropped["message"]
+            assert sock.recv(65536) == b""
+        os.close(attach(path, reply.session_id, None).arena_fd)  # the uid's places are free again
+    finally:
+        for sock in held:
+            sock.close()
         conn.close()
