@@ -112,6 +112,7 @@ class SeqpacketListener:
         self._socket: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._starved = False  # accept failed for want of descriptors (logged once until it works again)
 
     def start(self) -> None:
         try:
@@ -163,6 +164,8 @@ class SeqpacketListener:
                         elif not self._stopping and not self._accept(selector):
                             selector.unregister(self._socket)
                             resume_at = time.monotonic() + ACCEPT_PAUSE_S
+            except Exception:
+                log.exception("the accept thread failed: no new connections are served", extra={"socket": self.path})
             finally:
                 for sock in list(self._waiting):
                     self._drop(selector, sock)
@@ -176,11 +179,19 @@ class SeqpacketListener:
             except BlockingIOError:
                 return True
             except OSError as exc:
-                log.warning("cannot accept a connection; raise the daemon's open-file limit (LimitNOFILE)",
-                            extra={"socket": self.path, "reason": str(exc)})
+                if not self._starved:  # once per spell: it is retried every ACCEPT_PAUSE_S
+                    log.warning("cannot accept connections; raise the daemon's open-file limit (LimitNOFILE)",
+                                extra={"socket": self.path, "reason": str(exc)})
+                self._starved = True
                 return False
-            conn.setblocking(False)
-            process = Process(*peer_credentials(conn))
+            self._starved = False
+            try:
+                conn.setblocking(False)
+                process = Process(*peer_credentials(conn))
+            except OSError as exc:  # the peer is gone already
+                log.debug("a connection ended as it was accepted", extra={"socket": self.path, "reason": str(exc)})
+                conn.close()
+                continue
             refused = self._admit(process.uid)
             if refused is not None:
                 self._refuse(conn, refused, process)
