@@ -73,28 +73,36 @@ class Load:
         for t in self._threads:
             t.join()
 
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
     def _work(self, worker: int) -> None:
         rng = random.Random(worker)
         conn = Conn(self.target)
         try:
-            while not self.stop.is_set():
-                namespace = f"tenant-{rng.randrange(NAMESPACES)}"
-                try:
-                    s = conn.session(namespace)
-                    s.put(keys(f"{namespace}:{rng.random()}", 16))  # evicts others' pages
-                    s.lookup(keys(f"{namespace}:{rng.random()}", 32))  # misses
-                    conn.call("Explain", pb.ExplainRequest(session_id=s.id, keys=keys(namespace, 8)), key=s.key)
-                    if rng.random() < 0.5:
-                        s.close()
-                    else:  # abandoned: the session timeout ends it
-                        conn.sessions.pop(s.id)
-                        os.close(conn.arena_fds.pop(s.id))
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full host tier is fine
-                        self.errors.append(f"{exc.code()}: {exc.details()}")
-                self.rounds += 1
+            self._rounds(rng, conn)
+        except BaseException as exc:  # the main thread fails the test with it, rather than measuring no load
+            self.errors.append(f"worker {worker} stopped: {exc!r}")
         finally:
             conn.close()
+
+    def _rounds(self, rng: random.Random, conn: Conn) -> None:
+        while not self.stop.is_set():
+            namespace = f"tenant-{rng.randrange(NAMESPACES)}"
+            try:
+                s = conn.session(namespace)
+                s.put(keys(f"{namespace}:{rng.random()}", 16))  # evicts others' pages
+                s.lookup(keys(f"{namespace}:{rng.random()}", 32))  # misses
+                conn.call("Explain", pb.ExplainRequest(session_id=s.id, keys=keys(namespace, 8)), key=s.key)
+                if rng.random() < 0.5:
+                    s.close()
+                else:  # abandoned: the session timeout ends it
+                    conn.sessions.pop(s.id)
+                    os.close(conn.arena_fds.pop(s.id))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full host tier is fine
+                    self.errors.append(f"{exc.code()}: {exc.details()}")
+            self.rounds += 1
 
     def _kill_victims(self) -> None:
         tests = Path(__file__).resolve().parent
@@ -118,6 +126,7 @@ def soak(daemons, *, warm_up_s: float, measure_s: float, history_size: int, max_
         time.sleep(warm_up_s)
         start = time.monotonic()
         while time.monotonic() - start <= measure_s:
+            assert load.alive(), f"the load stopped: {load.errors[:3]}"
             times.append(time.monotonic())
             sizes.append(rss_anon_kib(pid) / 1024)
             time.sleep(SAMPLE_S)
