@@ -12,8 +12,9 @@ does not trust is that such a process speaks the protocol. Each connection is on
 - at most `_CONVERSATIONS` are open at once (more wait in the listen backlog), at most
   `_HOLDERS` of them daemons', and at most `_FILES` files are kept.
 
-So no peer ends the keeper, loses a file it keeps, or delays a daemon's start, other than
-by asking for it (`exit`, `drop`, a `keep` of the same name) or by signals.
+So no peer ends the keeper or loses a file it keeps, other than by asking for it (`exit`,
+`drop`, a `keep` of the same name) or by a signal; and none delays a daemon's start, unless
+`_CONVERSATIONS` are silent at once (then by a second for each such crowd ahead of it).
 """
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ _CONVERSATIONS = 64
 #: Daemons' conversations at once (only one daemon serves a socket; more are impostors or
 #: leftovers): the one that holds the longest is let go for a new one.
 _HOLDERS = 8
-_FILES = 65536
+#: Kept files at most (a daemon keeps a slot table per layout and a file per namespace and
+#: layout); with names and metas at their bounds, about 40 MiB. Fewer if the descriptor
+#: limit is lower: room stays for every conversation.
+_FILES = 16384
+#: Refusals logged: at most one line a second, counting the rest.
+_LOG_EVERY = 1.0
 #: Messages of one daemon's conversation taken in a row (a daemon sends a few at a time).
 _BURST = 64
 
@@ -86,6 +92,7 @@ class Keeper:
         self.held = False  # a daemon has held us (so its going starts the linger)
         self.alone_since = time.monotonic()  # since when no daemon holds us
         self.max_files = _FILES
+        self._log_next, self._unlogged = 0.0, 0
         self._selector = selectors.DefaultSelector()  # epoll: descriptors beyond 1024 are the rule here
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listening = False
@@ -268,7 +275,13 @@ class Keeper:
 
     def _refuse(self, talk: _Conversation, why: str, *, hang_up: bool = True) -> None:
         """Say what was wrong (a daemon's conversation reads no errors: the log has them)."""
-        log.warning("refused a request from pid %d: %s", talk.pid, why)
+        now = time.monotonic()
+        if now >= self._log_next:
+            more = f" ({self._unlogged} more refused since the last line)" if self._unlogged else ""
+            log.warning("refused a request from pid %d: %s%s", talk.pid, why, more)
+            self._log_next, self._unlogged = now + _LOG_EVERY, 0
+        else:
+            self._unlogged += 1
         if not talk.holder:
             try:
                 send(talk.sock, {"error": why})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import enum
+import fcntl
 import json
 import os
 import socket
@@ -33,8 +34,8 @@ MESSAGE_BYTES = 64 * 1024
 #: A kept file's name: "<layout id>/slots" or "<layout id>/ns/<namespace>" (a namespace is
 #: at most 255 bytes, kvtier.mechanism.slottable).
 NAME_CHARS = 512
-#: A kept file's meta (a layout, or a namespace's name), as JSON.
-META_BYTES = 4096
+#: A kept file's meta (a layout, or a namespace's name: 255 bytes, escaped), as JSON.
+META_BYTES = 2048
 
 _FD_ROOM = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor (the kernel fits two)
 
@@ -91,6 +92,16 @@ def _name(message: dict) -> str:
     return name
 
 
+def _is_memory(fd: int) -> bool:
+    """A memfd (or another shared-memory file): what a daemon maps; a socket, pipe or
+    device would fail (or block) its successor instead."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
 def _meta(meta: object) -> dict:
     try:
         small = isinstance(meta, dict) and len(json.dumps(meta)) <= META_BYTES
@@ -125,6 +136,8 @@ def parse_request(data: bytes, fds: list[int], flags: int) -> Request:
     if (op is Op.KEEP) != bool(fds):
         raise BadMessage("keep takes exactly one descriptor" if op is Op.KEEP else f"{op.value} takes no descriptor")
     if op is Op.KEEP:
+        if not _is_memory(fds[0]):
+            raise BadMessage("keep takes a memory file (memfd), not a descriptor of another kind")
         return Request(op, _name(message), _meta(message["meta"]), fd=fds[0])
     if op is Op.DROP:
         return Request(op, _name(message))

@@ -17,10 +17,12 @@ import array
 import json
 import logging
 import os
+import resource
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -93,13 +95,15 @@ class Holder:
 def peer(path: str) -> socket.socket | None:
     """A connection of our uid to the keeper; None when none listens."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(LINE_TIMEOUT)
+    # Blocking, so that a full backlog is waited for (5 s at most), not refused at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(LINE_TIMEOUT), 0))
     try:
         with socket_address(path) as address:
             sock.connect(address)
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
+    sock.settimeout(LINE_TIMEOUT)
     return sock
 
 
@@ -140,21 +144,19 @@ def listing(path: str) -> dict[str, list[str]] | None:
     sock = peer(path)
     if sock is None:
         return None
+    files = {}
     with sock:
-        sock.sendmsg([b'{"op": "list"}'])
-        files = {}
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, 65536, 1)
-            except ConnectionResetError:
-                return None
-            if not data:
-                return None
-            message = json.loads(data)
-            if message.get("end"):
-                return files
-            files[message["name"]] = [message["meta"].get("tag"), os.pread(fds[0], 64, 0).decode()]
-            os.close(fds[0])
+        try:
+            sock.sendmsg([b'{"op": "list"}'])
+            while (data := socket.recv_fds(sock, 65536, 1))[0]:
+                message, fds = json.loads(data[0]), data[1]
+                if message.get("end"):
+                    return files
+                files[message["name"]] = [message["meta"].get("tag"), os.pread(fds[0], 64, 0).decode()]
+                os.close(fds[0])
+        except (ConnectionResetError, BrokenPipeError):  # it closed its listener with us in the backlog
+            pass
+    return None
 
 
 def keeper_pid(path: str) -> int | None:
@@ -302,6 +304,52 @@ def test_a_message_that_is_not_a_request_is_refused(path, crashed, payload, fds,
         assert len(got) == 1 and isinstance(got[0].get("error"), str), got
     else:
         assert got == []
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket", "file"])
+def test_a_keep_of_anything_but_a_memory_file_is_refused(path, crashed, kind, tmp_path):
+    """A pipe, socket or plain file would fail (or block) the successor that maps it."""
+    if kind == "pipe":
+        fd, other = os.pipe()
+    elif kind == "socket":
+        left, right = socket.socketpair()
+        fd, other = left.detach(), right.detach()
+    else:
+        fd, other = os.open(tmp_path / "plain", os.O_CREAT | os.O_RDWR), None
+    target = str(tmp_path / "plain") if kind == "file" else f"{kind}:[{os.fstat(fd).st_ino}]"
+    pid = keeper_pid(path)
+    with peer(path) as sock:
+        sock.sendmsg([b'{"op": "keep", "name": "layout/ns/0", "meta": {}}'],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        got = answers(sock)
+    assert len(got) == 1 and "memory file" in got[0]["error"]
+    assert target not in [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
+    successor(path, crashed).kill()  # layout/ns/0 still the daemon's file
+    for each in (fd, other):
+        if each is not None:
+            os.close(each)
+
+
+def test_the_files_kept_are_bounded_by_the_descriptor_limit(path):
+    """A keeper whose descriptor limit is 300 keeps 140 files (room stays for 64
+    conversations and their descriptors in flight), refuses the rest, and serves on."""
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    keeper = subprocess.Popen([sys.executable, "-m", "kvtier.mechanism.keeper", path, "60"], preexec_fn=low_limit,
+                              start_new_session=True)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    holder = Holder(path)
+    for i in range(150):
+        holder.tell("keep", f"layout/ns/{i}", f"page-{i}")
+    holder.kill()
+    crowd = [peer(path) for _ in range(20)]  # the keeper still accepts connections
+    for sock in crowd:
+        sock.close()
+    successor(path, {f"layout/ns/{i}": f"page-{i}" for i in range(140)}).kill()
+    end_keeper(path)
+    assert keeper.wait(timeout=5) == 0
 
 
 def test_a_peer_that_does_not_read_its_listing_costs_only_its_own_conversation(path):

@@ -9,15 +9,20 @@ a kill interrupts (a commit, an eviction to disk, a load) must pass the same che
 """
 from __future__ import annotations
 
+import array
+import os
 import random
 import re
 import signal
+import socket
+import struct
 import threading
 import time
 import uuid
 
 import grpc
 import pytest
+from daemon import keeper_socket
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from rpc import Arena, keys, page
 
@@ -157,3 +162,80 @@ def test_a_kill_during_the_stop_loses_nothing(daemons, connect, delay):
 
     _, _, found, wrong = _restart_and_read(daemons, connect, prefix, "8MiB", "8MiB", "stop", blocks)
     assert wrong == [] and found == len(blocks)
+
+
+#: Messages a process of the daemon's uid may send its keeper that are not requests (with
+#: how many descriptors), as tests/mechanism/test_keeper.py has them all.
+_NOT_REQUESTS = [(b'"x"', 0), (b"[]", 0), (b'{"op": "drop", "name": []}', 0), (b'{"op": "keep", "name": 5, "meta": {}}', 1),
+                 (b'{"op": "list"}', 1), (b'{"op": "exit"}', 1), (b"[" * 50_000, 0), (b'{"op": "list"}', 0)]
+
+
+def _keeper_peer(daemon) -> socket.socket | None:
+    """A connection of the daemon's uid to its keeper, by the directory's descriptor (the
+    full path may be too long for a socket address); None if it has no room, or is gone."""
+    path = keeper_socket(daemon)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))  # for room in the backlog
+    directory = os.open(path.parent, os.O_PATH)
+    try:
+        sock.connect(f"/proc/self/fd/{directory}/{path.name}")
+    except (BlockingIOError, FileNotFoundError, ConnectionRefusedError):  # no room after 5 s; no keeper
+        sock.close()
+        return None
+    finally:
+        os.close(directory)
+    sock.settimeout(5)
+    return sock
+
+
+def _poke_keeper(daemon) -> int:
+    """Every message above, each from a peer that sends it and leaves without reading.
+    Returns how many peers found no keeper, or no room, to connect to."""
+    refused = 0
+    for payload, fds in _NOT_REQUESTS:
+        sock = _keeper_peer(daemon)
+        if sock is None:
+            refused += 1
+            continue
+        sent = [os.memfd_create("hostile", os.MFD_CLOEXEC) for _ in range(fds)]
+        with sock:
+            sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent))] if sent else [])
+        for fd in sent:
+            os.close(fd)
+    return refused
+
+
+def test_a_warm_restart_adopts_every_page_while_peers_of_its_uid_poke_the_keeper(daemons, connect):
+    """While the daemon commits, across its kill -9 and during the next start, peers of its
+    uid poke the keeper: requests left by peers that went (the one that once made the keeper
+    exit on EPIPE), messages that are not requests ("x", wrong types, descriptors where none
+    belong, nesting deeper than the parser goes), and two silent connections held open
+    through the restart. The next daemon starts and adopts every host page."""
+    prefix = f"kvtier-test-poked-{uuid.uuid4().hex[:6]}"
+    first = _start(daemons, prefix, "8MiB", "4MiB")
+    s = connect(first.target).session("poked")
+    arena = Arena.of(s)
+    blocks = keys("poked", 400)
+    refused = 0
+    for i in range(0, len(blocks), 50):
+        _write(s, arena, blocks[i : i + 50])
+        refused += _poke_keeper(first)
+    arena.close()
+    silent = [_keeper_peer(first)]
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    silent.append(_keeper_peer(first))
+    refused += _poke_keeper(first)
+    try:
+        began = time.monotonic()
+        second, _, found, wrong = _restart_and_read(daemons, connect, prefix, "8MiB", "4MiB", "poked", blocks)
+        took = time.monotonic() - began
+    finally:
+        for sock in silent:
+            if sock is not None:
+                sock.close()
+    adopted = re.search(r"(\d+) pages found again, (\d+) dropped", second.log())
+    assert adopted, second.log()
+    assert wrong == []
+    assert found == int(adopted.group(1)) == len(blocks)
+    assert refused == 0 and None not in silent, "a peer found no keeper, or no room in it"
+    print(f"poked keeper: {found} of {len(blocks)} pages adopted; start and read back in {took:.1f} s")
