@@ -93,6 +93,7 @@ class Keeper:
         self.alone_since = time.monotonic()  # since when no daemon holds us
         self.max_files = _FILES
         self._log_next, self._unlogged = 0.0, 0
+        self._deaf_until = 0.0  # accepting paused (out of descriptors) until then
         self._selector = selectors.DefaultSelector()  # epoll: descriptors beyond 1024 are the rule here
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listening = False
@@ -154,7 +155,9 @@ class Keeper:
                 log.warning("no daemon came back for %.0f s: freeing %d kept files", end - self.alone_since, len(self.files))
                 return False
             deadlines.append(end)
-        listen = len(self.talks) < _CONVERSATIONS
+        listen = len(self.talks) < _CONVERSATIONS and now >= self._deaf_until
+        if now < self._deaf_until:
+            deadlines.append(self._deaf_until)
         if listen != self._listening:
             if listen:
                 self._selector.register(self._listener, selectors.EVENT_READ)
@@ -169,8 +172,9 @@ class Keeper:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:  # out of descriptors: the cap on kept files leaves room, but say so
-                log.warning("cannot accept a connection: %s", exc)
+            except OSError as exc:  # out of descriptors (the cap on kept files leaves room): no spinning
+                log.warning("cannot accept a connection: %s; pausing 100 ms", exc)
+                self._deaf_until = time.monotonic() + 0.1
                 return
             sock.setblocking(False)
             pid, uid, _ = peer_credentials(sock)
