@@ -96,9 +96,10 @@ class Load:
                 conn.call("Explain", pb.ExplainRequest(session_id=s.id, keys=keys(namespace, 8)), key=s.key)
                 if rng.random() < 0.5:
                     s.close()
-                else:  # abandoned: the session timeout ends it
-                    conn.sessions.pop(s.id)
-                    os.close(conn.arena_fds.pop(s.id))
+                # else abandoned: the session timeout ends it. Either way this process lets go
+                # of the session and its arena (20,000 rounds would otherwise use up its files).
+                conn.sessions.pop(s.id)
+                os.close(conn.arena_fds.pop(s.id))
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full host tier is fine
                     self.errors.append(f"{exc.code()}: {exc.details()}")
