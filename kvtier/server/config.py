@@ -125,12 +125,12 @@ class EventsConfig:
     endpoint: str  # ZMQ PUB: tcp://*:5557 binds, tcp://host:5557 connects (as vLLM)
     topic: str  # per namespace: {host}, {namespace}
     format: EventFormat  # map (vLLM >= 0.28) or array (the older layout llm-d parses)
-
-
     namespaces: str  # published on ZMQ: "a,b" or "*"; "" = * without tokens, required with them (kvtier.events.access)
     connect: bool  # may dial out to an endpoint without a wildcard (it gets every published prompt)
     curve_secret_key_file: str  # the daemon's ZMQ secret certificate: CurveZMQ on ("" = plain ZMQ)
     curve_clients_dir: str  # the public certificates (*.key) of the clients CurveZMQ lets in
+
+
 @dataclass(frozen=True)
 class SessionsConfig:
     session_timeout: float
@@ -374,12 +374,6 @@ OPTIONS: tuple[Option, ...] = (
            field="topic", metavar="TOPIC"),
     Option("events_format", "events", Kind.of(EventFormat), "map", "Event layout: map (vLLM >= 0.28) or array (llm-d).",
            field="format"),
-    Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
-    Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
-    Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
-    Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
-    Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),
-    Option("log_format", "log", Kind.of(LogFormat), "json", "One JSON object per line, or plain text.", field="format"),
     Option("events_namespaces", "events", TEXT, "", "Namespaces whose events go out on the ZMQ endpoint: NS,NS or * "
            "(WatchEvents is not affected).", shown="* without tokens; required with tokens", field="namespaces",
            metavar="NS,NS"),
@@ -389,6 +383,12 @@ OPTIONS: tuple[Option, ...] = (
            "events endpoint (needs --events-curve-clients-dir).", shown="none", field="curve_secret_key_file"),
     Option("events_curve_clients_dir", "events", TEXT, "", "Directory of the public certificates (*.key) of the "
            "clients CurveZMQ lets in.", shown="none", field="curve_clients_dir", metavar="DIR"),
+    Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
+    Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
+    Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
+    Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
+    Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),
+    Option("log_format", "log", Kind.of(LogFormat), "json", "One JSON object per line, or plain text.", field="format"),
 )
 BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 
