@@ -135,6 +135,7 @@ class EventsConfig:
 class SessionsConfig:
     session_timeout: float
     drain_timeout: float
+    max_sessions: int  # open at once; a quarter of them per token or client certificate
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,8 @@ OPTIONS: tuple[Option, ...] = (
            "clients CurveZMQ lets in.", shown="none", field="curve_clients_dir", metavar="DIR"),
     Option("session_timeout", "sessions", DURATION, "3s", "Release a silent client's leases after this long."),
     Option("drain_timeout", "sessions", DURATION, "10s", "On SIGTERM, wait this long for leases to be released, then as long again at most for copying host pages to disk."),
+    Option("max_sessions", "sessions", INT, 1024, "Sessions open at once; one token or client "
+           "certificate may hold a quarter of them.", metavar="N"),
     Option("metrics_port", "metrics", INT, 0, "Serve Prometheus metrics on this port (0 = off).", field="port", metavar="PORT"),
     Option("metrics_host", "metrics", TEXT, "127.0.0.1", "Address for the metrics endpoint.", field="host", metavar="HOST"),
     Option("log_level", "log", LOG_LEVELS, "info", "Log level.", field="level"),
@@ -514,6 +517,8 @@ def _validate(cfg: DaemonConfig) -> None:
             Sealer.from_file(tiers.seal_key_file)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.sessions.max_sessions < 1:
+        raise ConfigError("max_sessions must be at least 1")
     if cfg.metrics.port < 0 or cfg.metrics.port > 65535:
         raise ConfigError("metrics_port must be 0 (off) or a TCP port")
 

@@ -106,6 +106,7 @@ class Daemon:
         auth = Authorizer.from_config(config.auth)
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
         self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants,
+                                       max_sessions=config.sessions.max_sessions,
                                        on_end=self.metrics.session_ended)
         local = PeerLimits(config.listen.local_first_message_timeout, config.listen.local_connections_per_uid)
         self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions, self.metrics, local)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier_client.errors import KVTierError, NotFound, PermissionDenied
+from kvtier_client.errors import CapacityError, KVTierError, NotFound, PermissionDenied
 from kvtier_client.ids import LeaseId, SessionId, short_session
 
 from kvtier.server.pools import Pool
@@ -58,6 +58,12 @@ class Session:
     process: Process | None = None  # bound when attached over the handoff socket
     last_seen: float = field(default_factory=time.monotonic)
 
+    @property
+    def credential(self) -> tuple:
+        """Whose session it is, for the per-credential bound: its token and certificate
+        (without either, every session is everyone's: only the total bounds them)."""
+        return self.token, self.tls_identity
+
     def admits(self, caller: Caller) -> bool:
         return (hmac.compare_digest(caller.session_key.encode(), self.key.encode())
                 and caller.token == self.token and caller.tls_identity == self.tls_identity)
@@ -68,13 +74,17 @@ class SessionManager:
 
     def __init__(
         self, timeout: float, on_release: Callable[[], None], grants: Callable[[str | None, str], bool] = lambda t, n: True,
-        on_end: Callable[[str], None] = lambda reason: None,
+        on_end: Callable[[str], None] = lambda reason: None, max_sessions: int = 1024,
     ) -> None:
         """`grants(token, namespace)`: whether the current tokens file still lets `token`
         use `namespace` (checked on every call, so a token removed by a reload stops at once).
         `on_end(reason)`: told of every session that ends, with why: `closed` (its client
-        closed it), `timeout` (missed heartbeats), `shutdown` (the daemon stops)."""
+        closed it), `timeout` (missed heartbeats), `shutdown` (the daemon stops).
+        `max_sessions`: open at once, a quarter of them per credential (a client that
+        heartbeats could otherwise hold any number)."""
         self.timeout = timeout
+        self.max_sessions = max_sessions
+        self.max_per_credential = max(1, max_sessions // 4)
         self._on_end = on_end
         self._grants = grants
         # Called after leases were released here rather than by a Release or Commit call
@@ -97,9 +107,22 @@ class SessionManager:
              tls_identity: tuple[bytes, ...] | None = None, local: bool = True) -> Session:
         session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name, token, tls_identity, local)
         with self._lock:
+            self._check_room(session)
             self._sessions[session.session_id] = session
         log.info("session opened", extra={"session": short_session(session.session_id), "namespace": namespace, "client": client_name})
         return session
+
+    def _check_room(self, session: Session) -> None:
+        """Refuse a session past the bounds (RESOURCE_EXHAUSTED), naming them; the token is never shown."""
+        if len(self._sessions) >= self.max_sessions:
+            raise CapacityError(f"the daemon holds {len(self._sessions)} sessions (max_sessions); close unused "
+                                "ones, or raise --max-sessions")
+        if session.token is None and session.tls_identity is None:
+            return
+        mine = sum(1 for s in self._sessions.values() if s.credential == session.credential)
+        if mine >= self.max_per_credential:
+            raise CapacityError(f"this credential holds {mine} sessions, a quarter of max_sessions "
+                                f"({self.max_sessions}); close unused ones, or raise --max-sessions")
 
     def get(self, session_id: str, caller: Caller) -> Session:
         """The live session with this id, if `caller` holds its credentials; marked as seen now."""
