@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 #: Socket buffers: a whole MAX_FRAME frame must fit in one message.
 BUFFER_BYTES = 4 * frames.MAX_FRAME
+#: A reply the client does not take within this long ends its connection: a client that
+#: sends and never reads would otherwise hold a thread and one of its uid's places for good.
+SEND_TIMEOUT_S = 5
 
 _STATUS = {code.name: code.value[0] for code in grpc.StatusCode}
 #: The metric's method label of each op: the gRPC method's name, so both transports line up.
@@ -121,6 +125,7 @@ class Lane:
             with connection:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
                 session = self._hello(conn, connection.process, connection.first)
                 if session is not None:
                     self._frames(conn, session)

@@ -7,6 +7,7 @@ Frames are built with kvtier_client.frames, raw, so the daemon sees exactly thes
 from __future__ import annotations
 
 import json
+import select
 import os
 import socket
 import stat
@@ -238,3 +239,25 @@ def test_no_lane_leaves_clients_on_grpc(daemons):
         with kv.borrow(1) as lease:
             lease.commit(keys("nl", 1))
         assert kv.lookup(keys("nl", 1)).hit_blocks == 1
+
+
+def test_a_client_that_never_reads_its_replies_loses_the_connection(session):
+    # Frames sent and replies never read: once the daemon's send buffer is full, its reply
+    # waits at most SEND_TIMEOUT_S (5 s), then the daemon ends the connection (old code:
+    # its thread waited for good, holding one of the uid's lane places).
+    with connect(session.reply.lane_socket) as sock:
+        assert hello(sock, session) == (0, "")
+        sock.settimeout(0.2)
+        sent = 0
+        try:
+            for seq in range(100_000):
+                sock.send(frames.heartbeat(seq + 2))
+                sent += 1
+        except (TimeoutError, BlockingIOError):
+            pass  # the daemon stopped reading: its replies fill its buffer
+        assert sent < 100_000
+        hung_up = select.poll()
+        hung_up.register(sock, select.POLLHUP)
+        deadline = time.monotonic() + 30
+        while not hung_up.poll(100):
+            assert time.monotonic() < deadline, "the daemon kept a connection whose client never reads"
