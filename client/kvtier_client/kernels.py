@@ -25,9 +25,9 @@ pages that do not match the layout), before anything is written.
 
 This is the engine's side of the data plane, so it lives in the client: an engine (or its
 connector) converts between its own KV tensors and the pages it borrowed or acquired. The
-daemon never calls it. The kernels are CUDA C sources shipped inside this package
-(``kvtier_client/cuda/*.cu``, package data), compiled at run time by CuPy's RawModule (no
-build step). CuPy is imported only inside the GPU functions: importing this module needs
+daemon never calls it. The kernels are CUDA C sources in the repository's top-level
+``cuda/``, shipped inside this package (``kvtier_client/cuda/*.cu``; client/setup.py copies
+them into the build), compiled at run time by CuPy's RawModule (no build step). CuPy is imported only inside the GPU functions: importing this module needs
 numpy alone.
 """
 from __future__ import annotations
@@ -46,16 +46,24 @@ BLOCKS_PER_SM = 32
 #: Bytes moved by one vector access in the kernels.
 VECTOR_BYTES = 16
 
-_CUDA_DIR = Path(__file__).resolve().parent / "cuda"
+#: Where the kernel sources are looked for, in order: inside the installed package (a wheel;
+#: client/setup.py copies the repository's cuda/*.cu there), then the repository's top-level
+#: cuda/ (a checkout, or an editable install of client/, where nothing is copied).
+_CUDA_DIRS = (
+    Path(__file__).resolve().parent / "cuda",
+    Path(__file__).resolve().parents[2] / "cuda",
+)
 
 
 def cuda_source_dir() -> Path:
-    """The directory holding the kernel sources (package data of kvtier_client)."""
-    if not (_CUDA_DIR / "page_copy.cu").is_file():
-        raise FileNotFoundError(
-            f"kvtier CUDA kernel sources not found in {_CUDA_DIR}; reinstall kvtier-client (it ships cuda/*.cu)"
-        )
-    return _CUDA_DIR
+    """The directory holding the kernel sources: the package's own, else the checkout's cuda/."""
+    for directory in _CUDA_DIRS:
+        if (directory / "page_copy.cu").is_file():
+            return directory
+    raise FileNotFoundError(
+        f"kvtier CUDA kernel sources not found in {' or '.join(map(str, _CUDA_DIRS))}; "
+        "reinstall kvtier-client (its wheel ships kvtier_client/cuda/*.cu)"
+    )
 
 
 def is_available() -> bool:
