@@ -12,7 +12,8 @@ import pytest
 from kvtier_client.layout import PageLayout
 
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
-from kvtier.server.pools import Pool, PoolConfig
+from kvtier.server.config import default_tiers
+from kvtier.server.pools import Pool
 
 pytest_plugins = ["redis_cluster_plugin"]  # redis_cluster, redis_cluster_replicas: a real Redis Cluster on loopback
 
@@ -85,14 +86,16 @@ class PoolFactory:
         kept: list[KeptFile] = (),
         **config,
     ) -> Pool:
-        """`kept`: files a crashed predecessor left with the keeper (from `keeper.kept`)."""
-        config.setdefault("fsync", "never")
+        """`kept`: files a crashed predecessor left with the keeper (from `keeper.kept`);
+        `config`: other tiers options (kvtier.server.config.TiersConfig), by default lru,
+        every page admitted to disk and no fsync."""
+        config = {"policy": "lru", "disk_admission": "all", "fsync": "never", **config}
         pool = Pool(
             layout,
-            PoolConfig(
-                host_bytes=host_pages * layout.slot_bytes,
-                disk_bytes=disk_pages * layout.slot_bytes,
-                disk_dir=disk_dir or self.disk_dir,
+            default_tiers(
+                host_size=host_pages * layout.slot_bytes,
+                disk_size=disk_pages * layout.slot_bytes,
+                cache_dir=disk_dir or self.disk_dir,
                 arena_prefix=self.prefix,
                 **config,
             ),

@@ -60,7 +60,7 @@ from kvtier_bench.harness import (
     timed,
     utc_now,
 )
-from kvtier_bench.internals import FsyncPolicy, PoolConfig, bench_pool, open_direct
+from kvtier_bench.internals import FsyncPolicy, bench_pool, default_tiers, open_direct
 from kvtier_bench.tiers import DEFAULT_PAGE_SIZES, DEFAULT_REPS, default_pages
 
 #: The prefix of the prefetch case: 256 pages of 16 tokens (Llama-3-8B layout), 512 of 8.
@@ -262,7 +262,7 @@ class _Rep:
             # One prefetch call queues every page (the pool default of 256 would accept
             # only the first 256), and a loaded page may be evicted at once, so that the
             # benchmark can send the pages back to disk-only between measurements.
-            max_queued_prefetch=max(pages, PoolConfig.max_queued_prefetch),
+            max_queued_prefetch=max(pages, default_tiers().max_queued_prefetch),
             prefetch_hold=0.0,
         )
         self.store = self.pool.store

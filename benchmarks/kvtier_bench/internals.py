@@ -19,7 +19,8 @@ from kvtier.core import WriteGrant
 from kvtier.mechanism.directio import open_direct
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.policy import PolicyName
-from kvtier.server.pools import Pool, PoolConfig
+from kvtier.server.config import default_tiers
+from kvtier.server.pools import Pool
 from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, halfway, read_timed_trace, read_trace, replay
 from kvtier.replay.policy import replay_policy
 from kvtier.units import parse_size
@@ -30,9 +31,9 @@ __all__ = [
     "FsyncPolicy",
     "PolicyName",
     "Pool",
-    "PoolConfig",
     "WriteGrant",
     "bench_pool",
+    "default_tiers",
     "open_direct",
     "parse_size",
     "halfway",
@@ -45,17 +46,18 @@ __all__ = [
 
 def bench_pool(layout: PageLayout, pages: int, workdir: str, namespace: str = "bench", **config) -> Pool:
     """A pool in this process whose host and disk tiers each hold exactly `pages` pages of
-    `layout`: a real memfd host arena, the disk tier under `workdir`/tier, lru, write-back,
-    fsync per batch; `config` sets other PoolConfig fields (or overrides these). Every host
-    slot is given to `namespace` first, as the store does before a writer of it: the
-    baselines copy into the slots directly."""
+    `layout`: a real memfd host arena, the disk tier under `workdir`/tier, lru, every page
+    admitted to disk, write-back, fsync per batch; `config` sets other TiersConfig fields
+    (or overrides these). Every host slot is given to `namespace` first, as the store does
+    before a writer of it: the baselines copy into the slots directly."""
     pool = Pool(
         layout,
-        PoolConfig(**{
-            "host_bytes": pages * layout.slot_bytes,
-            "disk_bytes": pages * layout.slot_bytes,
-            "disk_dir": os.path.join(workdir, "tier"),
+        default_tiers(**{
+            "host_size": pages * layout.slot_bytes,
+            "disk_size": pages * layout.slot_bytes,
+            "cache_dir": os.path.join(workdir, "tier"),
             "policy": "lru",
+            "disk_admission": "all",
             "write_through": False,
             "fsync": "batch",
             "arena_prefix": f"kvtier-bench-{os.getpid()}",

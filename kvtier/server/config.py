@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -79,8 +79,8 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class TiersConfig:
-    """The tiers of each page layout's pool (kvtier.server.pools.PoolConfig.from_tiers) and
-    how many pools the registry keeps (`max_pools`)."""
+    """The tiers of each page layout's pool (kvtier.server.pools.Pool takes this section
+    as it is) and how many pools the registry keeps (`max_pools`)."""
 
     host_size: int
     disk_size: int
@@ -462,6 +462,14 @@ def _tree(values: Mapping[str, Any]) -> DaemonConfig:
         name: cls(**{o.attr: values[o.key] for o in OPTIONS if o.section == name}) for name, cls in _SECTIONS.items()
     }
     return DaemonConfig(**sections)
+
+
+def default_tiers(**fields: Any) -> TiersConfig:
+    """The tiers section at the option table's defaults with `fields` (by field name) over
+    them: for a pool made outside the daemon (tests, benchmarks). Neither resolved nor
+    checked as load_config's is: cache_dir and arena_prefix stay "" unless given."""
+    defaults = {o.attr: o.read(o.default) for o in OPTIONS if o.section == "tiers"}
+    return replace(TiersConfig(**defaults), **fields)
 
 
 def _validate(cfg: DaemonConfig) -> None:

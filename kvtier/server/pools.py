@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
 from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument, KVTierError, NotFound
 from kvtier_client.ids import LeaseId, SessionId
@@ -20,62 +20,24 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.events import EventPublisher
-from kvtier.core import DEFAULT_HISTORY_SIZE, BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
+from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.core.index import TierCounters
 from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
 from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RedisClusterStore
 from kvtier.mechanism.cluster.tier import LatencyObserver
 from kvtier.mechanism.device import AnyDeviceArena, CopyEngine, DeviceNoSpace, open_device_arena, pin_host
-from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier, FsyncPolicy
+from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ArenaMover, ClusterParts
 from kvtier.mechanism.seal import Sealer
-from kvtier.policy import POLICIES, AdmissionName, PolicyName, make_admission
-from kvtier.policy.admission import DEFAULT_THRESHOLD
+from kvtier.policy import POLICIES, PolicyName, make_admission
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
 from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """Capacities and behaviour of one layout's tiers."""
-
-    host_bytes: int
-    disk_bytes: int = 0
-    disk_dir: str | None = None
-    policy: PolicyName | str = PolicyName.LRU
-    disk_admission: AdmissionName | str = AdmissionName.ALL  # which host pages leaving host are written to disk
-    disk_admission_threshold: float = DEFAULT_THRESHOLD  # for disk_admission = reuse
-    write_through: bool = False  # copy to disk at commit (True) or only when evicted from host (False)
-    fsync: FsyncPolicy | str = FsyncPolicy.BATCH  # when page data and index reach stable storage
-    fsync_interval: float = 1.0  # seconds, for fsync = interval
-    io_depth: int = 8  # disk reads (and writes) in flight at once
-    max_queued_prefetch: int = 1024  # prefetch loads waiting for the disk; more hints are dropped
-    prefetch_hold: float = 10.0  # seconds a prefetched page is kept unless acquired
-    arena_prefix: str = "kvtier"  # names host memory files <prefix>-<layout id> (in /proc/<pid>/maps, never a path)
-    device_bytes: int = 0  # HBM for the device tier; 0 = none (needs CUDA and CuPy otherwise)
-    gpu: int = 0  # CUDA device index
-    history_size: int = DEFAULT_HISTORY_SIZE  # departed blocks remembered, all namespaces together
-
-    @classmethod
-    def from_tiers(cls, tiers: TiersConfig) -> "PoolConfig":
-        """The daemon's tiers section: the options of the same name, plus the four that are
-        spelled per pool here (sizes in bytes, the disk tier's directory)."""
-        renamed = {"host_bytes", "disk_bytes", "device_bytes", "disk_dir"}
-        same = {f.name for f in fields(cls)} - renamed
-        missing = same - {f.name for f in fields(TiersConfig)}
-        if missing:  # a renamed field would otherwise fall back to its default unnoticed
-            raise TypeError(f"TiersConfig has no {sorted(missing)} for PoolConfig; rename them in step")
-        return cls(
-            **{name: getattr(tiers, name) for name in same},
-            host_bytes=tiers.host_size, disk_bytes=tiers.disk_size, device_bytes=tiers.device_size,
-            disk_dir=tiers.cache_dir,
-        )
 
 
 def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, host_bytes: int,
@@ -109,19 +71,21 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
 
 class Pool:
     def __init__(
-        self, layout: PageLayout, config: PoolConfig, observer: Observer | None = None, *,
+        self, layout: PageLayout, config: TiersConfig, observer: Observer | None = None, *,
         keeper: KeeperClient | None = None, kept: list[KeptFile] = (), cluster: ClusterConfig | None = None,
         cluster_observer: LatencyObserver | None = None, sealer: Sealer | None = None,
     ) -> None:
-        """`observer` hears of every finished disk load (kind, seconds, bytes, ok): metrics.
-        `keeper` holds the host memory for a successor; `kept` is what a crashed
-        predecessor left there for this layout (adopted). `cluster` (with a url): a cluster
-        tier below the others; `cluster_observer` hears the latency of its batches. `sealer`
-        seals disk and cluster pages to their identity (unkeyed by default)."""
-        host_pages = layout.pages_in(config.host_bytes, "host")
-        disk_pages = layout.pages_in(config.disk_bytes, "disk") if config.disk_bytes else 0
-        if disk_pages and not config.disk_dir:
-            raise ValueError("a disk tier needs a directory: set disk_dir")
+        """`config`: the daemon's tiers section, its sizes per pool (`max_pools`,
+        `warm_restart_window` and `seal_key_file` are the registry's). `observer` hears of
+        every finished disk load (kind, seconds, bytes, ok): metrics. `keeper` holds the
+        host memory for a successor; `kept` is what a crashed predecessor left there for
+        this layout (adopted). `cluster` (with a url): a cluster tier below the others;
+        `cluster_observer` hears the latency of its batches. `sealer` seals disk and
+        cluster pages to their identity (unkeyed by default)."""
+        host_pages = layout.pages_in(config.host_size, "host")
+        disk_pages = layout.pages_in(config.disk_size, "disk") if config.disk_size else 0
+        if disk_pages and not config.cache_dir:
+            raise ValueError("a disk tier needs a directory: set cache_dir (or disk_size 0 for no disk tier)")
         self.layout = layout
         self.config = config
         self._closed = False
@@ -137,8 +101,8 @@ class Pool:
         self._unpin_host = None
         try:
             device_pages = 0
-            if config.device_bytes:  # its page count follows from the GPU's allocation granularity
-                self.device = open_device_arena(layout, config.device_bytes, config.gpu,
+            if config.device_size:  # its page count follows from the GPU's allocation granularity
+                self.device = open_device_arena(layout, config.device_size, config.gpu,
                                                 name=f"{config.arena_prefix}-{layout.layout_id}")
                 device_pages = self.device.pages
                 self._unpin_host = pin_host(self.host, config.gpu)
@@ -146,7 +110,7 @@ class Pool:
                 self.bandwidth[Tier.DEVICE] = self.copies.throughput
             if disk_pages:
                 self.disk = DiskTier(
-                    os.path.join(config.disk_dir, layout.layout_id), layout, disk_pages,
+                    os.path.join(config.cache_dir, layout.layout_id), layout, disk_pages,
                     fsync=config.fsync, fsync_interval=config.fsync_interval, io_depth=config.io_depth,
                     sealer=sealer,
                 )
@@ -158,7 +122,7 @@ class Pool:
                 )
             if cluster is not None and cluster.url:
                 self.bandwidth[Tier.CLUSTER] = Throughput()
-                self.cluster = cluster_parts(cluster, layout, self.host, config.host_bytes, config.max_queued_prefetch,
+                self.cluster = cluster_parts(cluster, layout, self.host, config.host_size, config.max_queued_prefetch,
                                              self.bandwidth[Tier.CLUSTER], sealer or Sealer(), cluster_observer)
             self.store = BlockStore(
                 layout,
@@ -307,7 +271,7 @@ class PoolRegistry:
         pools' host memory across a crash (None: a crash loses the host tier); `cluster`
         gives every pool a cluster tier (`cluster_observer` hears its batches' latency);
         `events` is told what every pool stores and drops (KV events)."""
-        self._config = PoolConfig.from_tiers(tiers)
+        self._tiers = tiers
         self._sealer = Sealer.from_file(tiers.seal_key_file)  # checked when the configuration was loaded
         self._cluster = cluster
         self._cluster_observer = cluster_observer
@@ -356,7 +320,7 @@ class PoolRegistry:
                     "use an existing layout or raise max_pools"
                 )
             try:
-                pool = Pool(layout, self._config, observer=self._observer, keeper=self._keeper,
+                pool = Pool(layout, self._tiers, observer=self._observer, keeper=self._keeper,
                             kept=self._kept.pop(layout.layout_id, []), cluster=self._cluster,
                             cluster_observer=self._cluster_observer, sealer=self._sealer)
             except ValueError as exc:  # the client's layout does not fit the configured tiers

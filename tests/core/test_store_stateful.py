@@ -36,7 +36,8 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockState, MissReason, Quota
 from kvtier.core.invariants import check_guarantees_kept, check_quotas_kept
-from kvtier.server.pools import Pool, PoolConfig
+from kvtier.server.config import default_tiers
+from kvtier.server.pools import Pool
 
 from store_helpers import check, read_page, snapshot, write_page
 
@@ -77,10 +78,10 @@ class StoreMachine(RuleBasedStateMachine):
                 quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)),
                 admission=st.sampled_from(["all", "reuse"]))
     def start(self, policy, write_through, quotas, admission):
-        self.config = PoolConfig(
-            host_bytes=HOST_PAGES * LAYOUT.slot_bytes,
-            disk_bytes=DISK_PAGES * LAYOUT.slot_bytes,
-            disk_dir=self.dir,
+        self.config = default_tiers(
+            host_size=HOST_PAGES * LAYOUT.slot_bytes,
+            disk_size=DISK_PAGES * LAYOUT.slot_bytes,
+            cache_dir=self.dir,
             policy=policy,
             # reuse at threshold 1: a kind of page is refused once any of its pages stays away
             disk_admission=admission,
