@@ -20,7 +20,7 @@ from typing import Any
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_TOPIC, EventFormat
-from kvtier.mechanism.cluster.redis import ClusterAddress
+from kvtier.mechanism.cluster.backends import check_url
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.mechanism.seal import Sealer
 from kvtier.policy import AdmissionName, PolicyName
@@ -503,7 +503,7 @@ def _validate(cfg: DaemonConfig) -> None:
         raise ConfigError("history_size must be >= 0 (0 = no miss history) and max_namespaces at least 1")
     if cfg.cluster.url:
         try:
-            ClusterAddress.parse(cfg.cluster.url)
+            check_url(cfg.cluster.url)
         except ValueError as exc:
             raise ConfigError(f"cluster: {exc}") from None
         if not cfg.cluster.prefix or ":" in cfg.cluster.prefix:

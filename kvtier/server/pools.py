@@ -24,7 +24,7 @@ from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, 
 from kvtier.core.index import TierCounters
 from kvtier.core.results import TierUsage
 from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
-from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RedisClusterStore
+from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RemoteStore, open_backend
 from kvtier.mechanism.cluster.tier import LatencyObserver
 from kvtier.mechanism.device import AnyDeviceArena, CopyEngine, DeviceNoSpace, open_device_arena, pin_host
 from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier
@@ -47,9 +47,9 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
     in the ACL file), its readers (their reads measure `throughput`: unmeasured until the
     first, no probe writes into a shared cluster) and, unless the node only reads, its
     writer."""
-    def store(username: str | None = None, password: str | None = None) -> RedisClusterStore:
-        return RedisClusterStore(config.url, username=username, password=password, tls_ca=config.tls_ca or None,
-                                 timeout=config.timeout)
+    def store(username: str | None = None, password: str | None = None) -> RemoteStore:
+        return open_backend(config.url, username=username, password=password, tls_ca=config.tls_ca or None,
+                            timeout=config.timeout)
 
     password = None
     if config.password_file:  # readable: checked when the configuration was loaded

@@ -23,6 +23,9 @@ from redis.retry import Retry
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, Value
 
+#: The URL schemes of a Redis or Valkey Cluster; the second of each pair is TLS.
+SCHEMES = ("redis", "rediss", "valkey", "valkeys")
+
 
 @dataclass(frozen=True)
 class ClusterAddress:
@@ -37,7 +40,7 @@ class ClusterAddress:
     @classmethod
     def parse(cls, url: str) -> "ClusterAddress":
         scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("redis", "rediss", "valkey", "valkeys"):
+        if not sep or scheme not in SCHEMES:
             raise ValueError(f"cluster address {url!r} must start with redis:// (or rediss:// for TLS)")
         credentials, at, hosts = rest.rpartition("@")
         nodes = []
