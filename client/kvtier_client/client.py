@@ -509,9 +509,9 @@ class KVTierClient:
     def acquire_prefix(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
                        tier: Tier = Tier.HOST) -> tuple[LookupResult, ReadLease | None]:
         """Lookup and acquire in one call: the longest cached prefix of `keys`, leased as
-        `acquire` would lease it (None when nothing is cached). On the fast lane nothing
-        can be evicted between the two; over gRPC a page evicted in between is looked up
-        again, once."""
+        `acquire` would lease it (None when nothing is cached). The daemon runs both under
+        one lock, on the fast lane and over gRPC alike: nothing can be evicted between the
+        two."""
         wait_value, deadline_ms = _wait_policy(tier, wait, deadline)
         key_list = list(keys)
         timeout = self._conn.timeout + deadline_ms / 1000

@@ -15,7 +15,7 @@ from typing import Protocol
 from kvtier_client import frames
 from kvtier_client.frames import FrameError
 from kvtier_client.connection import Connection
-from kvtier_client.errors import BorrowAfterCommitError, KVTierError, NotFound
+from kvtier_client.errors import BorrowAfterCommitError, KVTierError, from_status
 from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.keys import BlockKey
 from kvtier_client.lane import Lane, LaneBroken
@@ -116,19 +116,23 @@ class GrpcPath:
 
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]:
-        """Lookup then Acquire (two calls over gRPC); a page evicted between the two is
-        looked up again, once."""
+        """One AcquirePrefix call: the daemon looks up and acquires under one lock."""
+        request = pb.AcquirePrefixRequest(session_id=self._session_id, keys=list(keys), tier=tier_to_proto(tier),
+                                          wait=wait, deadline_ms=deadline_ms)
         try:
-            return self._lookup_and_acquire(keys, tier, wait, deadline_ms, timeout)
-        except NotFound:
-            return self._lookup_and_acquire(keys, tier, wait, deadline_ms, timeout)
-
-    def _lookup_and_acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
-                            timeout: float) -> tuple[LookupResult, Granted | None]:
-        found = self.lookup(keys)
-        if found.hit_blocks == 0:
+            reply = self._call("AcquirePrefix", request, timeout=timeout)
+        except KVTierError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            raise from_status("UNIMPLEMENTED", (
+                f"the daemon does not know AcquirePrefix (it predates it: {exc}); upgrade the daemon, or call "
+                "lookup and then acquire the hit keys")) from exc
+        found = LookupResult.from_proto(reply.lookup)
+        if not reply.HasField("lease"):
             return found, None
-        return found, self.acquire(found.hit_keys(list(keys)), tier, wait, deadline_ms, timeout)
+        lease = reply.lease
+        return found, Granted(LeaseId(lease.lease_id), tier_from_proto(lease.tier), _slots(lease.slots), lease.ready,
+                              lease.promoted, lease.ready_event)
 
     def release(self, lease_id: int) -> None:
         self._call("Release", pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))

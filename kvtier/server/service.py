@@ -20,6 +20,7 @@ from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
 
 from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
+from kvtier.core.results import PrefixMatch, ReadGrant
 from kvtier.events import Event, EventKind, EventPublisher, Watcher
 from kvtier.events.watch import holder_of
 from kvtier.mechanism.bandwidth import Throughput
@@ -211,8 +212,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        result = self.ops.lookup(self._resolver(request.session_id, context), list(request.keys))
-        return pb.LookupResponse(hit_blocks=result.hit_blocks, tiers=[tier_to_proto(t) for t in result.tiers])
+        return _lookup_pb(self.ops.lookup(self._resolver(request.session_id, context), list(request.keys)))
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
@@ -228,11 +228,16 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Acquire(self, request, context) -> pb.AcquireResponse:
         lease = self.ops.acquire(self._resolver(request.session_id, context), list(request.keys), request.tier, request.wait, request.deadline_ms)
-        return pb.AcquireResponse(
-            lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
-            ready=lease.ready, promoted=lease.promoted,
-            ready_event=lease.transfer.ipc_handle if lease.transfer is not None else b"",
-        )
+        return _acquire_pb(lease)
+
+    @_rpc
+    def AcquirePrefix(self, request, context) -> pb.AcquirePrefixResponse:
+        match, lease = self.ops.acquire_prefix(self._resolver(request.session_id, context), list(request.keys),
+                                               request.tier, request.wait, request.deadline_ms)
+        reply = pb.AcquirePrefixResponse(lookup=_lookup_pb(match))
+        if lease is not None:  # nothing cached: `lease` stays unset (no lease to release)
+            reply.lease.CopyFrom(_acquire_pb(lease))
+        return reply
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:
@@ -344,6 +349,18 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             self.auth.authenticate_any(metadata)
         token, grants = self.auth.token_of(metadata), self.auth.grants
         return self.events.watch(lambda ns: (not wanted or ns in wanted) and grants(token, ns), holder_of(token, wanted))
+
+
+def _lookup_pb(match: PrefixMatch) -> pb.LookupResponse:
+    return pb.LookupResponse(hit_blocks=match.hit_blocks, tiers=[tier_to_proto(t) for t in match.tiers])
+
+
+def _acquire_pb(lease: ReadGrant) -> pb.AcquireResponse:
+    return pb.AcquireResponse(
+        lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
+        ready=lease.ready, promoted=lease.promoted,
+        ready_event=lease.transfer.ipc_handle if lease.transfer is not None else b"",
+    )
 
 
 def _event_pb(event: Event) -> pb.KVEvent:

@@ -240,6 +240,28 @@ class AcquireResponse(_message.Message):
     ready_event: bytes
     def __init__(self, lease_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., ready: _Optional[int] = ..., promoted: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
+class AcquirePrefixRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "tier", "wait", "deadline_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: Tier
+    wait: WaitPolicy
+    deadline_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., wait: _Optional[_Union[WaitPolicy, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class AcquirePrefixResponse(_message.Message):
+    __slots__ = ("lookup", "lease")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lookup: LookupResponse
+    lease: AcquireResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., lease: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,11 @@ class KVTierStub:
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.AcquirePrefix = channel.unary_unary(
+                '/kvtier.v1.KVTier/AcquirePrefix',
+                request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.SerializeToString,
+                response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvtier.v1.KVTier/Release',
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
@@ -147,6 +152,12 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquirePrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +242,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireRequest.FromString,
                     response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireResponse.SerializeToString,
+            ),
+            'AcquirePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquirePrefix,
+                    request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.FromString,
+                    response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -457,6 +473,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Acquire',
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireRequest.SerializeToString,
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquirePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/AcquirePrefix',
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.SerializeToString,
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
