@@ -12,9 +12,10 @@ import click
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvtier_client.connection import Connection, TLSConfig
+from kvtier_client.errors import KVTierError, Unavailable
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, block_keys
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.results import BlockExplanation, BlockReason, Explanation, hashing
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -41,18 +42,24 @@ def _read_pem(path: str, flag: str) -> bytes:
         raise click.ClickException(f"cannot read {flag} {path} ({exc.strerror})") from None
 
 
-def _channel(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> grpc.Channel:
-    """Plaintext for a Unix socket; TLS (mutual with --tls-cert/--tls-key) for a TCP daemon."""
+def connect(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+            token: str | None = None) -> Connection:
+    """The client's Connection to the daemon at --socket or --target, every call carrying
+    --token: plaintext to a Unix socket, or to a TCP daemon without TLS options; TLS (mutual
+    with --tls-cert/--tls-key) with them. Calls through `_ask` are tried once, for 5 s."""
     if bool(tls_cert) != bool(tls_key):
         raise click.ClickException("--tls-cert and --tls-key go together (a client certificate for mutual TLS)")
+    tls = None
     if tls_ca or tls_cert:
-        credentials = grpc.ssl_channel_credentials(
+        tls = TLSConfig(
             root_certificates=_read_pem(tls_ca, "--tls-ca") if tls_ca else None,
-            private_key=_read_pem(tls_key, "--tls-key") if tls_key else None,
             certificate_chain=_read_pem(tls_cert, "--tls-cert") if tls_cert else None,
+            private_key=_read_pem(tls_key, "--tls-key") if tls_key else None,
         )
-        return grpc.secure_channel(target, credentials)
-    return grpc.insecure_channel(target)
+    try:
+        return Connection(_target(socket, target), token=token, tls=tls, insecure=tls is None, timeout=5.0)
+    except ValueError as exc:  # TLS options with a Unix socket
+        raise click.ClickException(f"{exc}: leave out --tls-ca/--tls-cert, or pass --target HOST:PORT") from None
 
 
 def _connection_options(f):
@@ -219,18 +226,15 @@ def _token_option(f):
                         help="Bearer token, when the daemon requires one.")(f)
 
 
-def _metadata(token: str | None) -> list[tuple[str, str]] | None:
-    return [("authorization", f"Bearer {token}")] if token else None
-
-
-def _ask(call, request, address: str, metadata):
-    """One RPC; a failure becomes the one-line error the command prints."""
+def _ask(conn: Connection, method: str, request):
+    """One RPC, not retried; a failure becomes the one-line error the command prints."""
     try:
-        return call(request, timeout=5.0, metadata=metadata)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise click.ClickException(f"no kvtier daemon answers at {address}; start one with `kvtier serve` or pass --socket/--target")
-        raise click.ClickException(f"{exc.code().name}: {exc.details()}")
+        return conn.unary(method, request, retry=False)
+    except Unavailable:
+        raise click.ClickException(f"no kvtier daemon answers at {conn.target}; start one with `kvtier serve` or pass "
+                                   "--socket/--target") from None
+    except KVTierError as exc:
+        raise click.ClickException(f"{exc.code}: {exc}") from None
 
 
 #: Options of `kvtier stats` that, given before `why`, are its defaults.
@@ -277,12 +281,10 @@ def stats(ctx: click.Context, socket: str | None, target: str | None, tls_ca: st
         return
     if count and not watch:
         raise click.UsageError("--count goes with --watch")
-    address = _target(socket, target)
-    channel = _channel(address, tls_ca, tls_cert, tls_key)
-    stub = kvtier_pb2_grpc.KVTierStub(channel)
+    conn = connect(socket, target, tls_ca, tls_cert, tls_key, token)
 
     def fetch() -> pb.StatsResponse:
-        return _ask(stub.Stats, pb.StatsRequest(), address, _metadata(token))
+        return _ask(conn, "Stats", pb.StatsRequest())
 
     try:
         if not watch:
@@ -317,7 +319,7 @@ def stats(ctx: click.Context, socket: str | None, target: str | None, tls_ca: st
     except KeyboardInterrupt:
         pass
     finally:
-        channel.close()
+        conn.close()
 
 
 # -- kvtier stats why ----------------------------------------------------------------
@@ -493,13 +495,11 @@ def why(keys: tuple[str, ...], socket: str | None, target: str | None, tls_ca: s
     token_ids = _token_ids(token_list, tokens_file)
     if (token_ids is None) == (not keys):
         raise click.UsageError("give the block KEYs in hex, or the prompt's --tokens / --tokens-file (one of them)")
-    address = _target(socket, target)
-    channel = _channel(address, tls_ca, tls_cert, tls_key)
-    stub = kvtier_pb2_grpc.KVTierStub(channel)
+    conn = connect(socket, target, tls_ca, tls_cert, tls_key, token)
 
     def explain(ks: list[bytes]) -> Explanation:
         request = pb.ExplainRequest(namespace=namespace, keys=ks, pool_id=pool_id)
-        return Explanation.from_proto(_ask(stub.Explain, request, address, _metadata(token)))
+        return Explanation.from_proto(_ask(conn, "Explain", request))
 
     try:
         if token_ids is None:
@@ -507,13 +507,13 @@ def why(keys: tuple[str, ...], socket: str | None, target: str | None, tls_ca: s
             result = Why(namespace, block_list, explain(block_list), None, {})
         else:
             if block_tokens is None:
-                block_tokens = _pool_block_tokens(_ask(stub.Stats, pb.StatsRequest(), address, _metadata(token)), pool_id)
+                block_tokens = _pool_block_tokens(_ask(conn, "Stats", pb.StatsRequest()), pool_id)
             block_list = _keys_of(token_ids, block_tokens, salt, algorithm)
             ex = explain(block_list)
             others = _under_other_algorithms(explain, ex, token_ids, block_tokens, salt, algorithm)
             result = Why(namespace, block_list, ex, hashing(algorithm, block_tokens), others)
     finally:
-        channel.close()
+        conn.close()
     if as_json:
         click.echo(json.dumps(why_json(result)))
     else:
@@ -531,15 +531,14 @@ Examples:
 def health_check(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
                  timeout: float) -> None:
     """Exit 0 only if the daemon reports SERVING (for probes and scripts)."""
-    address = _target(socket, target)
-    channel = _channel(address, tls_ca, tls_cert, tls_key)
+    conn = connect(socket, target, tls_ca, tls_cert, tls_key)
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        reply = health_pb2_grpc.HealthStub(conn.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     except grpc.RpcError as exc:
-        click.echo(f"NOT SERVING: no answer from {address} ({exc.code().name})", err=True)
+        click.echo(f"NOT SERVING: no answer from {conn.target} ({exc.code().name})", err=True)
         sys.exit(1)
     finally:
-        channel.close()
+        conn.close()
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     click.echo(status)
     sys.exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)

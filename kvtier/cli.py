@@ -12,14 +12,11 @@ import click
 from kvtier_client.errors import KVTierError, Unavailable
 from kvtier_client.events import EventStream, KVEvent
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.proto.v1 import kvtier_pb2_grpc
 
 from kvtier.admin import (
-    _channel,
     _connection_options,
-    _metadata,
-    _target,
     _token_option,
+    connect,
     console,
     emit,
     health_check,
@@ -199,11 +196,10 @@ def events_command(socket: str | None, target: str | None, tls_ca: str | None, t
                    tls_key: str | None, token: str | None, namespaces: tuple[str, ...], as_json: bool) -> None:
     """Print the daemon's KV events as they happen: blocks stored in, and removed from, each
     tier (the daemon must run with --events). Ctrl-C stops."""
-    address = _target(socket, target)
-    channel = _channel(address, tls_ca, tls_cert, tls_key)
-    stub = kvtier_pb2_grpc.KVTierStub(channel)
+    conn = connect(socket, target, tls_ca, tls_cert, tls_key, token)
+    address = conn.target
     try:
-        stream = EventStream(stub.WatchEvents(pb.WatchEventsRequest(namespaces=namespaces), metadata=_metadata(token)))
+        stream = EventStream(conn.stub.WatchEvents(pb.WatchEventsRequest(namespaces=namespaces), metadata=conn.metadata))
         click.echo(f"watching KV events of {', '.join(namespaces) or 'every namespace the token grants'} at {address}; "
                    "Ctrl-C stops", err=True)
         missed = 0
@@ -220,7 +216,7 @@ def events_command(socket: str | None, target: str | None, tls_ca: str | None, t
     except KeyboardInterrupt:
         pass
     finally:
-        channel.close()
+        conn.close()
 
 
 class _LazyBench(click.Command):

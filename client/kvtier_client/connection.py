@@ -127,6 +127,11 @@ class Connection:
         self.stub = kvtier_pb2_grpc.KVTierStub(self._channel)
         self._closed = threading.Event()
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel, for a stub of another service on it (`kvtier health-check`'s Health)."""
+        return self._channel
+
     def _metadata(self, key: str) -> tuple[tuple[str, str], ...]:
         return (*self.metadata, (SESSION_KEY, key)) if key else self.metadata
 
