@@ -14,6 +14,7 @@ import click
 from kvtier_bench import all as all_bench
 from kvtier_bench import cluster as cluster_bench
 from kvtier_bench import disk as disk_bench
+from kvtier_bench import procs as procs_bench
 from kvtier_bench import trace as trace_bench
 from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
 from kvtier_bench.internals import FsyncPolicy, parse_size
@@ -103,28 +104,39 @@ def bench() -> None:
 @_page_bench_options()
 @click.option("--daemon", "through_daemon", is_flag=True,
               help="Also measure host put/get through a `kvtier serve` subprocess and the client's shared-memory "
-                   "mapping (borrow/commit, acquire/release), next to np.copyto into the same arena pages.")
+                   "mapping (borrow/commit, acquire/release), next to np.copyto into the same arena pages; and "
+                   "put, get and first fill by several client processes through one daemon, next to the same "
+                   "processes copying into a cold private buffer (2MiB and 64KiB pages unless --page-size, 32 "
+                   "and 64 per call; --pages is the working set, 1 GiB and 256 MiB by default).")
+@click.option("--processes", "processes", type=click.IntRange(min=1, max=64), multiple=True,
+              help="Client processes of the multi-process table; repeatable; implies --daemon  [default: 1, 2 and 4]")
 def tiers_command(pages: int | None, page_sizes: tuple[int, ...], directory: str | None, as_json: bool, quick: bool,
-                  through_daemon: bool) -> None:
+                  through_daemon: bool, processes: tuple[int, ...]) -> None:
     """Host put/get and disk write/read through a real pool (shared-memory arena, disk tier
     with O_DIRECT and checksums), each next to its baseline in the same run: np.copyto for
     the host tier, raw O_DIRECT pwrite/pread of the same pages for the disk tier. Prints
-    pages/s, GB/s and the ratio tier / baseline."""
+    pages/s, GB/s and the ratio tier / baseline. With --daemon (or --processes), also put
+    and get through a `kvtier serve` subprocess by several client processes at once."""
+    through_daemon = through_daemon or bool(processes)
+    if through_daemon and pages is not None and pages < max(processes or procs_bench.DEFAULT_PROCESSES):
+        raise click.BadParameter("with --daemon, at least as many pages as client processes", param_hint="--pages")
+    directory = os.path.abspath(directory) if directory else None
+    progress = progress_lines(as_json)
     try:
-        result = run_tiers(
-            page_sizes or DEFAULT_PAGE_SIZES,
-            pages=pages,
-            quick=quick,
-            directory=os.path.abspath(directory) if directory else None,
-            through_daemon=through_daemon,
-            progress=progress_lines(as_json),
-        )
+        with _stop_on_sigterm():
+            result = run_tiers(page_sizes or DEFAULT_PAGE_SIZES, pages=pages, quick=quick, directory=directory,
+                               through_daemon=through_daemon, progress=progress)
+            multi = None
+            if through_daemon:
+                multi = procs_bench.run_procs(page_sizes or procs_bench.DEFAULT_PAGE_SIZES,
+                                              processes=processes or procs_bench.DEFAULT_PROCESSES, pages=pages,
+                                              quick=quick, directory=directory, progress=progress)
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps(result.as_dict() | ({"processes": multi} if multi else {})))
     else:
-        click.echo(format_table(result))
+        click.echo(format_table(result) + (f"\n\n{procs_bench.render_procs(multi)}" if multi else ""))
 
 
 @bench.command("rpc", short_help="The hot calls over the fast lane and gRPC vs raw echoes.")
