@@ -32,6 +32,12 @@ class BookkeepingMover:
     def give_host(self, slot: Slot, namespace: str) -> None:
         pass
 
+    def populate_host(self, slots: Sequence[Slot], namespace: str) -> None:
+        pass
+
+    def stage_host(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        return []
+
     def publish_host(self, records: Sequence[PageRecord]) -> None:
         pass
 

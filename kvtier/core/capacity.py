@@ -62,6 +62,14 @@ class Capacity:
         self.forgetting: set[PageRecord] = set()
         #: Disk writes in flight, by block: the record each will be filed with.
         self.saving: dict[Ref, PageRecord] = {}
+        #: Host pages demoted from the device, staged for the slot table (`take_staged`).
+        self.staged: list[PageRecord] = []
+
+    def take_staged(self) -> list[PageRecord]:
+        """Demoted host pages staged for the slot table: the caller publishes them after
+        releasing the lock (hashing reads the bytes)."""
+        staged, self.staged = self.staged, []
+        return staged
 
     def take_forgets(self) -> list[PageRecord]:
         """The queued deletions, now in flight until `forgotten`."""
@@ -74,20 +82,21 @@ class Capacity:
         self.forgetting.difference_update(records)
 
     # -- host slots changing hands ---------------------------------------------
-    def own_host(self, slot: Slot, namespace: str) -> None:
+    def own_host(self, slot: Slot, namespace: str) -> bool:
         """Slot `slot` is about to hold `namespace`'s bytes: the mechanism hears of every
-        change of holder, so nothing of the previous one shows through."""
-        if self.index.host_owner[slot] != namespace:
-            self.mover.give_host(slot, namespace)
-            self.index.host_owner[slot] = namespace
+        change of holder, so nothing of the previous one shows through. True if it changed."""
+        if self.index.host_owner[slot] == namespace:
+            return False
+        self.mover.give_host(slot, namespace)
+        self.index.host_owner[slot] = namespace
+        return True
 
-    def take_host_slots(self, namespace: str, n: int) -> list[Slot]:
-        """n free host slots for a writer of `namespace` (the caller made room)."""
+    def take_host_slots(self, namespace: str, n: int) -> tuple[list[Slot], list[Slot]]:
+        """n free host slots for a writer of `namespace` (the caller made room), and those
+        of them that changed holder: the caller populates them after releasing the lock."""
         host = self.index.tiers[Tier.HOST]
         slots = [host.slots.alloc() for _ in range(n)]
-        for slot in slots:
-            self.own_host(slot, namespace)
-        return slots
+        return slots, [slot for slot in slots if self.own_host(slot, namespace)]
 
     # -- making room ------------------------------------------------------------
     def make_room(self, tier: Tier, n: int, namespace: str, *, hint: bool = False) -> None:
@@ -331,7 +340,7 @@ class Capacity:
             raise
         for b, slot in zip(blocks, slots):  # filed only once the bytes are there
             self.index.add_copy(b, Tier.HOST, Copy(slot))
-        self.mover.publish_host([b.entry(Tier.HOST) for b in blocks])
+        self.staged += self.mover.stage_host([b.entry(Tier.HOST) for b in blocks])
         host.counters.demotions += len(blocks)
         host.counters.bytes_in += len(blocks) * self.page_bytes
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from kvtier_client.errors import CapacityError, NotFound, Unavailable
 from kvtier_client.ids import SessionId
@@ -122,6 +123,7 @@ class Loads:
         outermost = not self._lock._is_owned()
         with self._lock:
             index = self.index
+            staged: list[PageRecord] = []
             block = index.block_of(job)
             copy = block.copies[Tier.HOST]
             from_disk = job.source is Tier.DISK
@@ -136,7 +138,10 @@ class Loads:
                 index.hold(block, Tier.HOST, time.monotonic() + self.prefetch_hold)
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
-                self.mover.publish_host([block.entry(Tier.HOST)])
+                entry = block.entry(Tier.HOST)
+                if from_disk:  # the reader verified the page against this checksum: not hashed again
+                    entry = replace(entry, length=job.record.length, checksum=job.record.checksum)
+                staged = self.mover.stage_host([entry])
             else:
                 # Waiting acquires see the copy gone and stop their ready prefix before it.
                 copy.waiters = 0
@@ -146,7 +151,11 @@ class Loads:
                     index.corrupted(block)
             self.loaded.notify_all()
             forgets = self.capacity.take_forgets() if outermost else []
+            if not outermost:  # the store call around us publishes them after its lock
+                self.capacity.staged += staged
+                staged = []
         self.forget(forgets)
+        self.mover.publish_host(staged)
 
     def forget(self, records: list[PageRecord]) -> None:
         """Delete disk index entries taken from `capacity` (the lock released): the mover

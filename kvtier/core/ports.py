@@ -6,8 +6,10 @@ moves real bytes between the arenas and the disk, `kvtier.core.bookkeeping.Bookk
 only keeps the books (trace replay, core tests).
 
     give_host        a host slot is about to hold another namespace's bytes   synchronous
-    publish_host / unpublish_host   host pages in or out of the host tier's
+    populate_host    fault in given host slots' memory            outside the lock
+    stage_host / unpublish_host   host pages in or out of the host tier's
                      persistent slot table (warm restart)                     synchronous
+    publish_host     hash staged pages and enter them             outside the lock
     store / forget   host slots -> disk slots; disk pages out of the index     synchronous
     load             one disk or cluster page -> one host slot, `LoadJob.on_done` later
                                                                               asynchronous
@@ -94,9 +96,18 @@ class PageMover(Protocol):
         demotion), and held another namespace's (or nothing) before: nothing of the previous
         holder may show through it."""
 
+    def populate_host(self, slots: Sequence[Slot], namespace: str) -> None:
+        """Fault in the memory behind host slots just given to `namespace` (outside the
+        lock, before their writer touches them), so no request waits behind it."""
+
+    def stage_host(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        """Host pages whose bytes are final (committed, loaded, demoted) go into the host
+        tier's persistent slot table, so that a daemon crash keeps them: those with a known
+        checksum (`length` set) now, the others are returned, for `publish_host`."""
+
     def publish_host(self, records: Sequence[PageRecord]) -> None:
-        """Record host pages whose bytes are final (committed, loaded, demoted) in the host
-        tier's persistent slot table, so that a daemon crash keeps them."""
+        """Hash staged pages and enter them in the slot table (outside the lock: the bytes
+        are read here); a page unpublished meanwhile is skipped."""
 
     def unpublish_host(self, slots: Sequence[Slot]) -> None:
         """Take host slots out of the slot table; called before they can be reused."""

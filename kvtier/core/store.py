@@ -199,9 +199,11 @@ class BlockStore:
                 finally:
                     self._capacity.restartable = None
                     forgets = self._capacity.take_forgets()
-                    if forgets or batch is not None:
+                    staged = self._capacity.take_staged()
+                    if forgets or staged or batch is not None:
                         lock.release()  # the I/O goes outside the lock; `with` takes it back to leave
                         try:
+                            self._mover.publish_host(staged)
                             self._loads.forget(forgets)
                             if batch is not None:
                                 self._write(batch)
@@ -390,9 +392,15 @@ class BlockStore:
         return len(self._leases.sessions.get(session, ()))
 
     # -- write path -----------------------------------------------------------
-    @_restartable
     def borrow(self, session: SessionId, namespace: str, n: int) -> WriteGrant:
-        """A write lease on n free host pages, evicting or demoting cached pages if needed."""
+        """A write lease on n free host pages, evicting or demoting cached pages if needed.
+        Slots that change holder are populated after the lock is released."""
+        grant, given = self._run(lambda: self._borrow(session, namespace, n))
+        if given:
+            self._mover.populate_host(given, namespace)
+        return grant
+
+    def _borrow(self, session: SessionId, namespace: str, n: int) -> tuple[WriteGrant, list[Slot]]:
         check_namespace(namespace)
         host = self._index.tiers[Tier.HOST]
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
@@ -402,11 +410,11 @@ class BlockStore:
                 f"borrow of {n} pages exceeds the host tier's {host.slots.capacity} pages; borrow in smaller batches"
             )
         self._capacity.make_room(Tier.HOST, n, namespace)
-        slots = self._capacity.take_host_slots(namespace, n)
+        slots, given = self._capacity.take_host_slots(namespace, n)
         self._index.start_writing(namespace, slots)
         lease = self._leases.open(session, namespace, LeaseKind.WRITE, Tier.HOST, slots)
         self._want_write_back()  # the clean reserve may be short now
-        return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots))
+        return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots)), given
 
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None,
                tokens: list[tuple[int, ...]] | None = None) -> CommitOutcome:
@@ -422,13 +430,14 @@ class BlockStore:
         if tokens is not None:
             self._check_tokens(keys, tokens)
         with self._lock:
-            outcome, fresh = self._commit(session, lease_id, keys, parent, tokens)
+            outcome, fresh, staged = self._commit(session, lease_id, keys, parent, tokens)
             batch = self._capacity.prepare(fresh) if fresh and self.write_through and Tier.DISK in self._index.tiers else None
             forgets = self._capacity.take_forgets()
             to_cluster = fresh and self.cluster_write is ClusterWrite.COMMIT
             if to_cluster:
                 for b in fresh:  # the host slots stay put until the cluster write is done
                     b.copies[Tier.HOST].readers += 1
+        self._mover.publish_host(staged)  # hashed here, outside the lock, before the engine hears back
         self._loads.forget(forgets)
         if to_cluster:
             self._write_cluster(fresh)
@@ -479,7 +488,7 @@ class BlockStore:
                 raise InvalidArgument(f"block {i} has {len(block)} token ids; a page holds {per_block} tokens")
 
     def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
-                tokens: list[tuple[int, ...]] | None = None) -> tuple[CommitOutcome, list[Block]]:
+                tokens: list[tuple[int, ...]] | None = None) -> tuple[CommitOutcome, list[Block], list[PageRecord]]:
         lease = self._leases.get(session, lease_id, LeaseKind.WRITE)
         check_keys(keys)
         if parent is not None:
@@ -517,9 +526,9 @@ class BlockStore:
         for slot in lease.slots[len(keys) :]:
             host.slots.free(slot)
         self._leases.close(lease)
-        self._mover.publish_host([b.entry(Tier.HOST) for b in fresh])
+        staged = self._mover.stage_host([b.entry(Tier.HOST) for b in fresh])
         self._want_write_back()  # new dirty pages: the clean reserve may need them later
-        return CommitOutcome(lease_id, len(fresh), tuple(duplicates)), fresh
+        return CommitOutcome(lease_id, len(fresh), tuple(duplicates)), fresh, staged
 
     # -- read path ------------------------------------------------------------
     @_restartable

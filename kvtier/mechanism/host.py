@@ -29,7 +29,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 _SEALS = 0x0001 | 0x0002 | 0x0004  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
 _F_ADD_SEALS = 1033
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
+_HUGE_PAGE = 2 << 20
+#: Pages hashed at once by `HostArena.publish` outside the store lock (xxh3 releases the GIL).
+_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+_PARALLEL_HASH_BYTES = 4 << 20  # smaller batches are hashed in the caller's thread
 
 
 @dataclass(eq=False)
@@ -117,12 +122,18 @@ class HostArena:
         self.name = name
         self.layout = layout
         self.pages = pages
-        self.size = pages * layout.slot_bytes
+        self.slot_bytes = layout.slot_bytes
+        self.page_bytes = layout.page_bytes
+        self.size = pages * self.slot_bytes
         #: Pages found again in a crashed daemon's arena (empty for a new arena).
         self.adopted: list[PageRecord] = []
         self.adopt_seconds = 0.0
         self._keeper = keeper
         self._lock = threading.Lock()  # the memory table: the handoff thread asks for files too
+        self._table_lock = threading.Lock()  # entries written outside the store lock (`publish`)
+        #: Pages staged for the slot table whose checksum is not known yet, by slot (`stage`).
+        self._staged: dict[int, PageRecord] = {}
+        self._hashers = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix=f"{name}-hash")
         self._memory: dict[str, NamespaceMemory] = {}
         self._owner: list[str | None] = [None] * pages
         self._on_map: list[Callable[[NamespaceMemory], None]] = []
@@ -170,6 +181,10 @@ class HostArena:
 
     def _map(self, namespace: str, fd: int) -> NamespaceMemory:
         mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if self.slot_bytes % _HUGE_PAGE == 0:
+            # Each slot is whole 2 MiB pages, so no huge page is shared by two namespaces'
+            # slots: populating a slot then costs one fault, not 512 (first fill ~5x faster).
+            mm.madvise(mmap.MADV_HUGEPAGE)
         memory = self._memory[namespace] = NamespaceMemory(namespace, fd, mm, np.frombuffer(mm, dtype=np.uint8))
         for listener in self._on_map:
             listener(memory)
@@ -189,15 +204,27 @@ class HostArena:
     # -- slots ------------------------------------------------------------------------
     def give(self, slot: int, namespace: str) -> None:
         """Slot `slot` now holds `namespace`'s bytes: cut it out of its previous holder's
-        file, so nothing of that namespace can show through the new holder's."""
+        file, so nothing of that namespace can show through the new holder's. Called under
+        the store lock, so it does not populate: `populate` does, after the lock is released."""
         previous = self._owner[slot]
         if previous == namespace:
             return
-        start, length = slot * self.layout.slot_bytes, self.layout.slot_bytes
         if previous is not None:
-            self._memory[previous].cut(start, length)
-        self.memory(namespace).populate(start, length)
+            self._memory[previous].cut(slot * self.slot_bytes, self.slot_bytes)
+        self.memory(namespace)  # made (and kept) now: the slot's holder always has a file
         self._owner[slot] = namespace
+
+    def populate(self, slots: Sequence[int], namespace: str) -> None:
+        """Fault in the memory behind slots given to `namespace`, outside the store lock,
+        before its writer touches them. A slot given to another namespace meanwhile is cut
+        again afterwards, so no file keeps memory for a slot it does not hold."""
+        memory = self.memory(namespace)
+        for slot in slots:
+            if self._owner[slot] != namespace:
+                continue
+            memory.populate(slot * self.slot_bytes, self.slot_bytes)
+            if self._owner[slot] != namespace:
+                memory.cut(slot * self.slot_bytes, self.slot_bytes)
 
     def holder(self, slot: int) -> NamespaceMemory:
         namespace = self._owner[slot]
@@ -207,17 +234,17 @@ class HostArena:
 
     def view(self, slot: int) -> memoryview:
         """The whole slot (slot_bytes, page plus alignment padding), writable."""
-        start = slot * self.layout.slot_bytes
-        return memoryview(self.holder(slot).mm)[start : start + self.layout.slot_bytes]
+        start = slot * self.slot_bytes
+        return memoryview(self.holder(slot).mm)[start : start + self.slot_bytes]
 
     def page(self, slot: int) -> np.ndarray:
         """The page's bytes (page_bytes) as a writable uint8 array, zero copy."""
-        start = slot * self.layout.slot_bytes
-        return self.holder(slot).bytes[start : start + self.layout.page_bytes]
+        start = slot * self.slot_bytes
+        return self.holder(slot).bytes[start : start + self.page_bytes]
 
     def slot_address(self, slot: int) -> int:
         """Where the slot is mapped in this process (for DMA)."""
-        return self.holder(slot).address + slot * self.layout.slot_bytes
+        return self.holder(slot).address + slot * self.slot_bytes
 
     # -- warm restart -----------------------------------------------------------------
     def _adopt(self, kept: list[KeptFile]) -> None:
@@ -274,16 +301,54 @@ class HostArena:
             self._forget(file)
 
     # -- the slot table ---------------------------------------------------------------
-    def publish(self, records: Sequence[PageRecord]) -> list[PageRecord]:
-        """Enter cached pages in the slot table, each with the checksum of its bytes now:
-        from here a crash keeps them. The bytes must be final (committed, loaded, demoted)."""
-        published = []
-        for record in records:
-            self._seq += 1
-            checksum = xxhash.xxh3_64_intdigest(self.page(record.slot))
-            published.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=self._seq))
-            self._table.write(published[-1])
-        return published
+    def stage(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        """Enter cached pages in the slot table, under the store lock: those whose checksum
+        is known (`length` set: a load verified it) now; the others are staged and returned,
+        for `publish` to hash outside the lock. From its entry on, a crash keeps a page.
+        The bytes must be final (committed, loaded, demoted)."""
+        staged = []
+        with self._table_lock:
+            for record in records:
+                if record.length:
+                    self._enter(record, record.checksum)
+                else:
+                    self._staged[record.slot] = record
+                    staged.append(record)
+        return staged
+
+    def publish(self, records: Sequence[PageRecord]) -> None:
+        """Hash staged pages, in up to `_HASH_THREADS` threads for large batches (xxh3
+        releases the GIL), and enter each whose slot still holds it: one unpublished
+        meanwhile (evicted, its slot reused) is skipped."""
+        if not records:
+            return
+        share = -(-len(records) // _HASH_THREADS)
+        if len(records) * self.page_bytes < _PARALLEL_HASH_BYTES or share == len(records):
+            sums = self._hash(records)
+        else:
+            parts = [self._hashers.submit(self._hash, records[i : i + share]) for i in range(share, len(records), share)]
+            sums = self._hash(records[:share])
+            for part in parts:
+                sums += part.result()
+        with self._table_lock:
+            for record, checksum in zip(records, sums):
+                if self._staged.get(record.slot) is record:
+                    del self._staged[record.slot]
+                    self._enter(record, checksum)
+
+    def _hash(self, records: Sequence[PageRecord]) -> list[int]:
+        return [xxhash.xxh3_64_intdigest(self.page(r.slot)) for r in records]
+
+    def publish_staged(self) -> None:
+        """Publish whatever is staged (pages demoted from the device, whose publishing no
+        request waits for)."""
+        with self._table_lock:
+            records = list(self._staged.values())
+        self.publish(records)
+
+    def _enter(self, record: PageRecord, checksum: int) -> None:
+        self._seq += 1
+        self._table.write(record, self.page_bytes, checksum, self._seq)
 
     def checksum(self, slot: Slot) -> int | None:
         """The xxh3-64 a published page's bytes had when they were published (None: not
@@ -291,8 +356,11 @@ class HostArena:
         return self._table.checksum(slot)
 
     def unpublish(self, slots: Sequence[Slot]) -> None:
-        """Take slots out of the slot table before they can be reused."""
-        self._table.clear(slots)
+        """Take slots out of the slot table (and out of `publish`'s reach) before they can be reused."""
+        with self._table_lock:
+            for slot in slots:
+                self._staged.pop(slot, None)
+            self._table.clear(slots)
 
     # -- the end ----------------------------------------------------------------------
     def _close_memory(self, namespace: str) -> None:
@@ -307,6 +375,9 @@ class HostArena:
         mapping until they unmap."""
         if self._table_fd < 0:
             return
+        if keep:
+            self.publish_staged()  # the successor adopts what this daemon committed
+        self._hashers.shutdown()
         self._table.close()
         if not keep and self._keeper is not None:
             self._keeper.drop(self._keeper_name("slots"))

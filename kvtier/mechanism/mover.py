@@ -9,6 +9,7 @@ batches; asking the cluster which keys it holds is a synchronous round trip.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from kvtier_client.ids import SessionId, Slot
 from kvtier_client.tiers import Tier
@@ -50,6 +51,12 @@ class ArenaMover:
             raise RuntimeError("no disk tier configured: the core must not move pages to disk")
         return self.disk
 
+    def populate_host(self, slots: Sequence[Slot], namespace: str) -> None:
+        self.host.populate(slots, namespace)
+
+    def stage_host(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        return self.host.stage(records)
+
     def publish_host(self, records: Sequence[PageRecord]) -> None:
         self.host.publish(records)
 
@@ -57,7 +64,10 @@ class ArenaMover:
         self.host.unpublish(slots)
 
     def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
-        return self._disk().write_pages([(record, self.host.view(slot)) for slot, record in moves])
+        """Host pages to disk, each with the checksum it was published with (hashed once)."""
+        host = self.host
+        return self._disk().write_pages([(_with_checksum(record, host.checksum(slot), host.page_bytes), host.view(slot))
+                                         for slot, record in moves])
 
     def _source(self, source: Tier) -> PageReader | None:
         if source is Tier.CLUSTER:
@@ -115,3 +125,7 @@ class ArenaMover:
 
     def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
         self._copies().demote(pairs)
+
+
+def _with_checksum(record: PageRecord, checksum: int | None, length: int) -> PageRecord:
+    return record if checksum is None else replace(record, length=length, checksum=checksum)

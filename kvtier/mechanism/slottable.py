@@ -59,20 +59,19 @@ class SlotTable:
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._entries = np.frombuffer(self._mm, dtype=np.uint8, offset=_HEADER_BYTES).reshape(pages, _ENTRY_BYTES)
 
-    def write(self, record: PageRecord) -> None:
+    def write(self, record: PageRecord, length: int, checksum: int, seq: int) -> None:
         """Record that `record.slot` holds this page, its bytes final and checksummed."""
-        names = record.namespace.encode() + record.key + (record.parent or b"")
-        parent = len(record.parent or b"")
+        namespace = record.namespace.encode()
+        parent = record.parent or b""
+        names = namespace + record.key + parent
         if len(names) > _NAMES:
             raise ValueError(f"namespace, key and parent of {len(names)} bytes do not fit a slot entry ({_NAMES})")
-        body = _FIELDS.pack(_CACHED, len(record.namespace.encode()), len(record.key), parent, record.length,
-                            record.seq, record.checksum) + names
+        body = _FIELDS.pack(_CACHED, len(namespace), len(record.key), len(parent), length, seq, checksum) + names
         body = body.ljust(_ENTRY_BYTES - 8, b"\0")
-        entry = self._entries[record.slot]
-        entry[0] = _FREE  # never valid while half written, even before the crc is checked
-        entry[1 : _ENTRY_BYTES - 8] = np.frombuffer(body[1:], np.uint8)
-        entry[_ENTRY_BYTES - 8 :] = np.frombuffer(struct.pack("<Q", xxhash.xxh3_64_intdigest(body)), np.uint8)
-        entry[0] = _CACHED
+        at, mm = _HEADER_BYTES + record.slot * _ENTRY_BYTES, self._mm
+        mm[at] = _FREE  # never valid while half written, even before the crc is checked
+        mm[at + 1 : at + _ENTRY_BYTES] = body[1:] + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        mm[at] = _CACHED
 
     def checksum(self, slot: int) -> int | None:
         """The checksum a published page was entered with; None if the slot holds none."""

@@ -20,11 +20,11 @@ from kvtier.mechanism.host import HostArena
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=64, block_tokens=16, dtype="float16")  # 4 KiB pages
 
 
-def _fill(arena: HostArena, slots: range, namespace: str = "ns") -> list[PageRecord]:
+def _fill(arena: HostArena, slots: range, namespace: str = "ns") -> None:
     for slot in slots:
         arena.give(slot, namespace)
         arena.page(slot)[:] = slot + 1
-    return arena.publish([PageRecord(namespace, f"key-{slot}".encode(), Slot(slot), None) for slot in slots])
+    arena.publish(arena.stage([PageRecord(namespace, f"key-{slot}".encode(), Slot(slot), None) for slot in slots]))
 
 
 def test_a_crashed_arena_is_adopted_with_its_published_pages(shm_prefix, keeper):
