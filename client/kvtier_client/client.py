@@ -19,9 +19,7 @@ so the engine carries on. Leases of the lost session raise errors.DaemonRestarte
 """
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import os
 import threading
 from array import array
@@ -39,13 +37,14 @@ from kvtier_client.errors import (
 )
 from kvtier_client.events import EventStream
 from kvtier_client.handoff import DeviceGrant, attach, fetch_device_slots
-from kvtier_client.hotpath import Granted, GrpcPath, HotPath, LanePath
+from kvtier_client.hotpath import GrpcPath, HotPath, LanePath
 from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.ids import SessionId, short_session
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.protocol import PAGE_PIECE_BYTES, Granted, Wait, check_lent_tier, check_token_ids, wait_request
 from kvtier_client.results import CommitResult, LookupResult, PoolInfo, Stats
 from kvtier_client.results import Explanation
 from kvtier_client.tiers import Tier
@@ -55,30 +54,13 @@ from kvtier_client.wire import layout_to_proto
 log = logging.getLogger("kvtier_client")
 
 T = TypeVar("T")
-#: WritePages sends a page in pieces of this many bytes: the daemon reads no request over
-#: 4 MiB (docs/protocol.md, "Message size limits").
-PAGE_PIECE_BYTES = 1 << 20
 
 
-def _wait_policy(tier: Tier, wait: "Wait | None", deadline: float | None) -> tuple[int, int]:
-    """(wait policy, deadline_ms) of an acquire, checked before anything is sent."""
-    if tier not in (Tier.HOST, Tier.DEVICE):
-        raise ValueError(f"pages are lent from host or device, not {tier.label}")
-    if wait is None:
-        wait = Wait.DEADLINE if deadline is not None else Wait.ALL
-    if (wait is Wait.DEADLINE) != (deadline is not None):
-        raise ValueError("a deadline goes with wait=Wait.DEADLINE, and Wait.DEADLINE needs a deadline")
-    if deadline is not None and deadline <= 0:
-        raise ValueError(f"deadline must be positive seconds, got {deadline}")
-    return wait.value, max(1, math.ceil(deadline * 1000)) if deadline is not None else 0
-
-
-class Wait(enum.Enum):
-    """How acquire waits for pages the daemon must first promote from a slower tier."""
-
-    ALL = pb.WAIT_ALL  # until every page is ready
-    NONE = pb.WAIT_NONE  # return the prefix that is ready now
-    DEADLINE = pb.WAIT_DEADLINE  # up to the deadline, then the ready prefix
+def _wait_policy(tier: Tier, wait: Wait | None, deadline: float | None) -> tuple[int, int]:
+    """(wait policy, deadline_ms) of an acquire, checked before anything is sent, by the
+    rules the daemon checks them with (kvtier_client.protocol)."""
+    check_lent_tier(tier)
+    return wait_request(wait, deadline)
 
 
 @dataclass(frozen=True)
@@ -475,17 +457,9 @@ class KVTierClient:
         return result, self._write_lease(lease.session, grant)
 
     def _token_ids(self, keys: Sequence[BlockKey], token_ids: Sequence[int] | np.ndarray | None) -> array | None:
-        """A commit's token ids as u32s, checked before anything is sent."""
-        if token_ids is None:
-            return None
-        per_block = self.layout.block_tokens
-        if len(token_ids) != len(keys) * per_block:
-            raise ValueError(f"token_ids has {len(token_ids)} ids for {len(keys)} keys; pass {per_block} per key "
-                             "(each block's tokens, in key order)")
-        try:
-            return array("I", token_ids)
-        except (OverflowError, TypeError):
-            raise ValueError("token ids are integers from 0 to 2**32 - 1") from None
+        """A commit's token ids as u32s, checked before anything is sent, by the rule the
+        daemon checks them with (kvtier_client.protocol)."""
+        return None if token_ids is None else check_token_ids(token_ids, len(keys), self.layout.block_tokens)
 
     def acquire(self, keys: Sequence[BlockKey], *, wait: Wait | None = None, deadline: float | None = None,
                 tier: Tier = Tier.HOST) -> ReadLease:

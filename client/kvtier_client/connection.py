@@ -19,6 +19,7 @@ import grpc
 
 from kvtier_client.errors import Unavailable, from_rpc_error
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
+from kvtier_client.protocol import MAX_MESSAGE_BYTES
 
 T = TypeVar("T")
 
@@ -93,8 +94,8 @@ def open_channel(target: str, *, tls: TLSConfig | None, insecure: bool, backoff:
         ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff.initial * 1000))),
         ("grpc.min_reconnect_backoff_ms", max(1, int(backoff.initial * 1000))),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
-        ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-        ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     if is_unix_target(target):
         if tls is not None:

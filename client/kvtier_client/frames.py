@@ -13,7 +13,9 @@ travel as a *key block*: u32 count, u8 width, 3 zero bytes, then `count * width`
 every key is `width` bytes long, or (width 0) each key as u8 length + bytes.
 
 This module only encodes and decodes; it is shared by the client (kvtier_client.lane) and
-the daemon (kvtier.server.lane), so the two cannot drift apart.
+the daemon (kvtier.server.lane), so the two cannot drift apart. What a request may hold and
+how a reply is read (token ids per block, the wait policy, a grant, MAX_FRAME) are the
+rules of both transports, in kvtier_client.protocol.
 """
 from __future__ import annotations
 
@@ -23,15 +25,14 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier_client.protocol import MAX_FRAME  # the largest frame either side sends or accepts
+
 VERSION = 1
 HEADER = struct.Struct("<BBHI")
 #: Request flag: do not answer (Release only); the daemon still applies it in order.
 NO_REPLY = 0x1
 #: Request flag: the blocks' token ids follow the key block (Commit only).
 TOKENS = 0x2
-#: The largest frame either side sends or accepts. A request that would be larger goes over
-#: gRPC instead (the client decides, before sending).
-MAX_FRAME = 192 << 10
 
 
 class Op(enum.IntEnum):
@@ -272,7 +273,8 @@ def error(op: Op, seq: int, status: int, message: str) -> bytes:
 
 @dataclass(frozen=True)
 class Grant:
-    """A lease as a reply carries it (Borrow, Acquire)."""
+    """A lease as a reply carries it (Borrow, Acquire, AcquirePrefix: lease_id NO_LEASE when
+    none is granted); kvtier_client.protocol.read_grant reads it."""
 
     lease_id: int
     tier: int

@@ -1,7 +1,8 @@
 """The hot calls of one session, over one of two transports: `LanePath` (the same-host fast
 lane, binary frames on a Unix socket) or `GrpcPath` (everyone else, and the lane's
 fallback). KVTierClient holds one per session and never asks which it has; both raise the
-same KVTierErrors for the same refusals.
+same KVTierErrors for the same refusals, and read grants with the same rule
+(kvtier_client.protocol.read_grant).
 """
 from __future__ import annotations
 
@@ -9,34 +10,21 @@ import logging
 import struct
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier_client import frames
+from kvtier_client import frames, protocol
 from kvtier_client.frames import FrameError
 from kvtier_client.connection import Connection
 from kvtier_client.errors import BorrowAfterCommitError, KVTierError, from_status
-from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.keys import BlockKey
 from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.protocol import Granted
 from kvtier_client.results import CommitResult, LookupResult
 from kvtier_client.tiers import Tier
-from kvtier_client.wire import tier_from_proto, tier_to_proto, tiers_from_proto_bytes
+from kvtier_client.wire import tier_to_proto, tiers_from_proto_bytes
 
 log = logging.getLogger("kvtier_client")
-
-
-@dataclass(frozen=True)
-class Granted:
-    """A lease as the daemon granted it (Borrow, Acquire)."""
-
-    lease_id: LeaseId
-    tier: Tier
-    slots: tuple[Slot, ...]
-    ready: int = 0
-    promoted: int = 0
-    ready_event: bytes = b""
 
 
 class HotPath(Protocol):
@@ -59,8 +47,13 @@ class HotPath(Protocol):
     def close(self) -> None: ...
 
 
-def _slots(slots: Sequence[int]) -> tuple[Slot, ...]:
-    return tuple(Slot(s) for s in slots)
+def _granted(*fields) -> Granted:
+    """The lease a Borrow or Acquire reply grants (protocol.read_grant); these always grant one."""
+    grant = protocol.read_grant(*fields)
+    if grant is None:
+        raise KVTierError(f"the daemon answered with lease id {protocol.NO_LEASE} (none) where it grants a lease; "
+                          "the daemon and this client disagree on the protocol: run matching versions")
+    return grant
 
 
 class GrpcPath:
@@ -85,7 +78,7 @@ class GrpcPath:
 
     def borrow(self, count: int) -> Granted:
         reply = self._call("Borrow", pb.BorrowRequest(session_id=self._session_id, count=count))
-        return Granted(LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots))
+        return _granted(reply.lease_id, reply.tier, reply.slots)
 
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
                token_ids: array | None = None) -> CommitResult:
@@ -111,8 +104,7 @@ class GrpcPath:
                               deadline_ms=deadline_ms),
             timeout=timeout,
         )
-        return Granted(LeaseId(reply.lease_id), tier_from_proto(reply.tier), _slots(reply.slots), reply.ready,
-                       reply.promoted, reply.ready_event)
+        return _granted(reply.lease_id, reply.tier, reply.slots, reply.ready, reply.promoted, reply.ready_event)
 
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]:
@@ -127,12 +119,9 @@ class GrpcPath:
             raise from_status("UNIMPLEMENTED", (
                 f"the daemon does not know AcquirePrefix (it predates it: {exc}); upgrade the daemon, or call "
                 "lookup and then acquire the hit keys")) from exc
-        found = LookupResult.from_proto(reply.lookup)
-        if not reply.HasField("lease"):
-            return found, None
-        lease = reply.lease
-        return found, Granted(LeaseId(lease.lease_id), tier_from_proto(lease.tier), _slots(lease.slots), lease.ready,
-                              lease.promoted, lease.ready_event)
+        lease = reply.lease  # unset when nothing is cached: lease_id then reads NO_LEASE
+        return LookupResult.from_proto(reply.lookup), protocol.read_grant(
+            lease.lease_id, lease.tier, lease.slots, lease.ready, lease.promoted, lease.ready_event)
 
     def release(self, lease_id: int) -> None:
         self._call("Release", pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))
@@ -166,7 +155,7 @@ class LanePath:
             frame = encode()
         except (FrameError, struct.error):  # struct: a count or id out of its field's range
             return None
-        return frame if len(frame) <= frames.MAX_FRAME else None
+        return frame if len(frame) <= protocol.MAX_FRAME else None
 
     def _call(self, encode: Callable[[], bytes], timeout: float | None = None) -> memoryview | None:
         """The reply body, or None when the request must go over gRPC."""
@@ -191,7 +180,7 @@ class LanePath:
 
     def borrow(self, count: int) -> Granted:
         body = self._call(lambda: frames.borrow(0, count))
-        return self._grpc.borrow(count) if body is None else _granted(frames.unpack_borrow(body))
+        return self._grpc.borrow(count) if body is None else _lane_grant(frames.unpack_borrow(body))
 
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
                token_ids: array | None = None) -> CommitResult:
@@ -220,13 +209,13 @@ class LanePath:
         result = CommitResult(*frames.unpack_commit(committed))
         if isinstance(granted, KVTierError):
             raise BorrowAfterCommitError(result, granted)
-        return result, _granted(frames.unpack_borrow(granted))
+        return result, _lane_grant(frames.unpack_borrow(granted))
 
     def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted:
         body = self._call(lambda: frames.acquire(0, keys, tier_to_proto(tier), wait, deadline_ms), timeout)
         if body is None:
             return self._grpc.acquire(keys, tier, wait, deadline_ms, timeout)
-        return _granted(frames.unpack_acquire(body))
+        return _lane_grant(frames.unpack_acquire(body))
 
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]:
@@ -235,7 +224,8 @@ class LanePath:
             return self._grpc.acquire_prefix(keys, tier, wait, deadline_ms, timeout)
         found, at = _lookup_result(body)
         grant = frames.unpack_acquire(body, at)
-        return found, _granted(grant) if grant.lease_id else None
+        return found, protocol.read_grant(grant.lease_id, grant.tier, grant.slots, grant.ready, grant.promoted,
+                                          grant.ready_event)
 
     def release(self, lease_id: int) -> None:
         """Sent without waiting: the daemon applies it before this thread's next frame."""
@@ -261,7 +251,5 @@ def _lookup_result(body: memoryview) -> tuple[LookupResult, int]:
     return LookupResult(hit, tiers_from_proto_bytes(tiers)), at
 
 
-def _granted(grant: frames.Grant) -> Granted:
-    # frames gives slots as a tuple of ints already (Slot is a NewType: the same ints).
-    return Granted(LeaseId(grant.lease_id), tier_from_proto(grant.tier), grant.slots, grant.ready,
-                   grant.promoted, grant.ready_event)
+def _lane_grant(grant: frames.Grant) -> Granted:
+    return _granted(grant.lease_id, grant.tier, grant.slots, grant.ready, grant.promoted, grant.ready_event)

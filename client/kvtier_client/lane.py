@@ -12,13 +12,10 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from kvtier_client import frames
+from kvtier_client import frames, protocol
 from kvtier_client.errors import KVTierError, Unavailable, from_status
 from kvtier_client.frames import FrameError
 from kvtier_client.seqpacket import connect
-
-#: Socket buffers: a whole MAX_FRAME frame must fit in one message.
-BUFFER_BYTES = 4 * frames.MAX_FRAME
 
 
 class LaneBroken(Exception):
@@ -36,7 +33,7 @@ class _Connection:
     seq: int = 0
     unanswered: int = 0  # frames sent with no reply asked for, not yet followed by a reply
     # Replies land here: recv() of a MAX_FRAME buffer would allocate (and map) it every call.
-    buffer: bytearray = field(default_factory=lambda: bytearray(frames.MAX_FRAME))
+    buffer: bytearray = field(default_factory=lambda: bytearray(protocol.MAX_FRAME))
 
 
 class Lane:
@@ -62,11 +59,11 @@ class Lane:
             raise LaneBroken("the lane is closed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, protocol.LANE_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, protocol.LANE_BUFFER_BYTES)
             connect(sock, self.path, self.timeout)
             sock.send(frames.hello(0, *self._hello))
-            op, status, _, body = frames.split(sock.recv(frames.MAX_FRAME))
+            op, status, _, body = frames.split(sock.recv(protocol.MAX_FRAME))
         except (OSError, FrameError) as exc:
             sock.close()
             raise LaneBroken(f"cannot open the fast lane at {self.path} ({exc})") from exc

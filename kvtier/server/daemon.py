@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
+from kvtier_client.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 import kvtier
 from kvtier.events import EventPublisher
@@ -40,12 +41,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-#: The largest request, of any method: gRPC refuses a larger one from its length prefix,
-#: unread. A Lookup of 1024 keys of 64 bytes is 66 KB, so 4 MiB takes ~60,000 keys per call;
-#: WritePages sends a page in pieces of 1 MiB (docs/protocol.md, "Message size limits").
-REQUEST_MESSAGE_BYTES = 4 << 20
-#: The largest page the slow path carries: the kvtier client's gRPC message limit.
-SLOW_PATH_PAGE_BYTES = 256 << 20
+# The largest request of any method (gRPC refuses a larger one from its length prefix,
+# unread) and the largest page the slow path carries (the kvtier client's gRPC message
+# limit) are kvtier_client.protocol's MAX_REQUEST_BYTES and MAX_MESSAGE_BYTES: one number
+# for the daemon and the client each.
 #: A PageData's fields besides its bytes (a 32-character session id, lease id, index, tags).
 PAGE_ENVELOPE_BYTES = 1 << 10
 SERVER_STOP_GRACE_S = 1.0  # calls still running then are cancelled
@@ -55,7 +54,7 @@ SERVER_STOP_WAIT_S = 5.0
 def reply_limit(config: DaemonConfig) -> int:
     """The largest reply: a ReadPages message is a whole page, and no page is larger than the
     host tier (a pool's host tier holds at least one)."""
-    return max(REQUEST_MESSAGE_BYTES, min(config.tiers.host_size, SLOW_PATH_PAGE_BYTES) + PAGE_ENVELOPE_BYTES)
+    return max(MAX_REQUEST_BYTES, min(config.tiers.host_size, MAX_MESSAGE_BYTES) + PAGE_ENVELOPE_BYTES)
 
 
 class HealthService(health.HealthServicer):
@@ -135,7 +134,7 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config
         listen = cfg.listen
-        guard = WireGuard(REQUEST_MESSAGE_BYTES, called=self.heap.called)
+        guard = WireGuard(MAX_REQUEST_BYTES, called=self.heap.called)
         if cfg.metrics.port:  # first: /healthz answers (and /readyz says 503) while the rest starts
             self._metrics_server = self.metrics.serve(cfg.metrics.host, cfg.metrics.port, ready=self.serving)
         adopted = self.pools.adopt_kept()  # a crashed predecessor's host pages, before anyone asks

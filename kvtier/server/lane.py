@@ -30,21 +30,20 @@ import time
 from collections.abc import Callable
 
 import grpc
-from kvtier_client import frames
+from kvtier_client import frames, protocol
 from kvtier_client.errors import InvalidArgument, KVTierError, PermissionDenied
 from kvtier_client.frames import FrameError, Op
 from kvtier_client.ids import short_session
 from kvtier_client.wire import tier_to_proto, tiers_to_proto_bytes
 
+from kvtier.core.results import ReadGrant
 from kvtier.server.listener import Connection, PeerLimits, Refusal, SeqpacketListener
 from kvtier.server.metrics import Metrics
-from kvtier.server.ops import HotOps, Resolve
+from kvtier.server.ops import HotOps, Resolve, grant_fields
 from kvtier.server.sessions import Caller, Process, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
-#: Socket buffers: a whole MAX_FRAME frame must fit in one message.
-BUFFER_BYTES = 4 * frames.MAX_FRAME
 #: A reply the client does not take within this long ends its connection: a client that
 #: sends and never reads would otherwise hold a thread and one of its uid's places for good.
 SEND_TIMEOUT_S = 5
@@ -68,7 +67,7 @@ class Lane:
     def __init__(self, path: str, sessions: SessionManager, ops: HotOps, metrics: Metrics,
                  limits: PeerLimits = PeerLimits(), mode: int = 0o660) -> None:
         self.path = path
-        self._listener = SeqpacketListener(path, mode, "lane", self, limits, first_bytes=frames.MAX_FRAME,
+        self._listener = SeqpacketListener(path, mode, "lane", self, limits, first_bytes=protocol.MAX_FRAME,
                                            on_refused=metrics.local_connection_refused)
         self._sessions = sessions
         self._ops = ops
@@ -123,8 +122,8 @@ class Lane:
         conn = connection.sock
         try:
             with connection:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, protocol.LANE_BUFFER_BYTES)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, protocol.LANE_BUFFER_BYTES)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
                 session = self._hello(conn, connection.process, connection.first)
                 if session is not None:
@@ -163,7 +162,7 @@ class Lane:
         return session
 
     def _frames(self, conn: socket.socket, session: Session) -> None:
-        buffer = bytearray(frames.MAX_FRAME)
+        buffer = bytearray(protocol.MAX_FRAME)
         view = memoryview(buffer)
         hangup = select.poll()
         hangup.register(conn, _HUNG_UP)
@@ -184,8 +183,8 @@ class Lane:
         try:
             op, flags, seq, body = frames.split(frame)  # an oversized frame's header is in its first bytes
             no_reply = op is Op.RELEASE and bool(flags & frames.NO_REPLY)
-            if size > frames.MAX_FRAME:
-                raise InvalidArgument(f"a lane frame is at most {frames.MAX_FRAME} bytes, got {size}; send fewer keys "
+            if size > protocol.MAX_FRAME:
+                raise InvalidArgument(f"a lane frame is at most {protocol.MAX_FRAME} bytes, got {size}; send fewer keys "
                                       "per call (the client sends larger requests over gRPC)")
             handler = self._handlers.get(op)
             if handler is None:
@@ -237,7 +236,7 @@ class Lane:
         tier, wait, deadline_ms, keys = frames.read_acquire(body)
         match, grant = self._ops.acquire_prefix(s, keys, tier, wait, deadline_ms)
         lookup = frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers))
-        lease = frames.pack_acquire(_grant(grant) if grant is not None else frames.Grant(0, 0, ()))
+        lease = frames.pack_acquire(_grant(grant) if grant is not None else frames.Grant(protocol.NO_LEASE, 0, ()))
         return frames.reply(Op.ACQUIRE_PREFIX, seq, lookup + lease)
 
     def _release(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
@@ -249,8 +248,7 @@ class Lane:
         return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority)]))
 
 
-def _grant(grant) -> frames.Grant:
-    """A core ReadGrant as the reply carries it."""
-    event = grant.transfer.ipc_handle if grant.transfer is not None else b""
-    return frames.Grant(grant.lease_id, tier_to_proto(grant.tier), grant.slots, grant.ready, grant.promoted, event)
+def _grant(grant: ReadGrant) -> frames.Grant:
+    """A core ReadGrant as the reply carries it (the fields AcquireResponse has over gRPC)."""
+    return frames.Grant(**grant_fields(grant))
 

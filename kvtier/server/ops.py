@@ -1,7 +1,10 @@
 """The hot calls, once for both transports: the gRPC servicer (kvtier.server.service) and
 the fast lane (kvtier.server.lane) decode their requests, call these, and encode the
 results. What a call checks (drain, session, wait policy, tier) and in which order lives
-here only, so the two transports cannot answer the same request differently.
+here only, so the two transports cannot answer the same request differently; the rules
+themselves (token ids per block, the wait policy, the tiers pages are lent from) are
+kvtier_client.protocol's, the very functions the client checks a request with before
+sending it, their ValueErrors answered here as INVALID_ARGUMENT.
 
 Each takes `session`, the transport's way to resolve the session the call names (gRPC:
 SessionManager.get with the call's credentials; the lane: SessionManager.still), called
@@ -12,48 +15,52 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from kvtier_client import protocol
 from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import LeaseId
-from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.tiers import Tier
+from kvtier_client.wire import tier_to_proto
 
 from kvtier.core.results import CommitOutcome, PrefixMatch, ReadGrant, WriteGrant
 from kvtier.server.drain import DrainGate
 from kvtier.server.pools import Pool
 from kvtier.server.sessions import Session, SessionManager
 
+T = TypeVar("T")
+
 
 def tier_of(value: int, pool: Pool) -> Tier:
-    """A requested tier (proto numbering) as the tier pages are lent from."""
-    if value in (pb.TIER_UNSPECIFIED, pb.TIER_HOST):
-        return Tier.HOST
-    if value == pb.TIER_DEVICE:
-        if pool.device is None:
-            raise InvalidArgument("this daemon has no device tier (no GPU, or device_size 0); use TIER_HOST")
-        return Tier.DEVICE
-    raise InvalidArgument(f"pages can be acquired into host (or device on GPU daemons), not tier {value}")
+    """A requested tier (proto numbering) as the tier pages are lent from in `pool`."""
+    return _checked(protocol.lent_tier, value, has_device=pool.device is not None)
 
 
 def wait_timeout(wait: int, deadline_ms: int) -> float | None:
     """The wait policy as the core's timeout: None = all, 0 = none, t = deadline."""
-    if wait == pb.WAIT_NONE:
-        return 0.0
-    if wait == pb.WAIT_DEADLINE:
-        if deadline_ms == 0:
-            raise InvalidArgument("WAIT_DEADLINE needs deadline_ms > 0")
-        return deadline_ms / 1000
-    if wait in (pb.WAIT_ALL, pb.WAIT_POLICY_UNSPECIFIED):
-        return None
-    raise InvalidArgument(f"unknown wait policy {wait}; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE")
+    return _checked(protocol.wait_timeout, wait, deadline_ms)
 
 
 def split_tokens(token_ids: Sequence[int], keys: int, block_tokens: int) -> list[tuple[int, ...]]:
     """A commit's flat token ids as one tuple per key (what the store keeps on each block)."""
-    if len(token_ids) != keys * block_tokens:
-        raise InvalidArgument(f"commit got {len(token_ids)} token ids for {keys} keys; pass {block_tokens} per key "
-                              "(each block's tokens, in key order), or none")
-    return [tuple(token_ids[i : i + block_tokens]) for i in range(0, len(token_ids), block_tokens)]
+    return _checked(protocol.split_token_ids, token_ids, keys, block_tokens)
+
+
+def _checked(rule: Callable[..., T], *args, **kwargs) -> T:
+    """A shared rule (kvtier_client.protocol) applied to a request: what it refuses is
+    INVALID_ARGUMENT, with the rule's message, on either transport."""
+    try:
+        return rule(*args, **kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def grant_fields(grant: ReadGrant) -> dict[str, object]:
+    """A read grant as both transports' replies carry it (AcquireResponse, the lane's
+    frames.Grant: the same field names), its tier as the proto numbers it."""
+    return {"lease_id": grant.lease_id, "tier": tier_to_proto(grant.tier), "slots": grant.slots,
+            "ready": grant.ready, "promoted": grant.promoted,
+            "ready_event": grant.transfer.ipc_handle if grant.transfer is not None else b""}
 
 
 Resolve = Callable[[], Session]

@@ -29,7 +29,7 @@ from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.metrics import Metrics
 from kvtier.server.namespaces import NamespaceGate
-from kvtier.server.ops import HotOps
+from kvtier.server.ops import HotOps, grant_fields
 from kvtier.server.pieces import PieceOrder
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.sessions import Caller, Session, SessionManager
@@ -356,11 +356,7 @@ def _lookup_pb(match: PrefixMatch) -> pb.LookupResponse:
 
 
 def _acquire_pb(lease: ReadGrant) -> pb.AcquireResponse:
-    return pb.AcquireResponse(
-        lease_id=lease.lease_id, tier=tier_to_proto(lease.tier), slots=lease.slots,
-        ready=lease.ready, promoted=lease.promoted,
-        ready_event=lease.transfer.ipc_handle if lease.transfer is not None else b"",
-    )
+    return pb.AcquireResponse(**grant_fields(lease))
 
 
 def _event_pb(event: Event) -> pb.KVEvent:

@@ -10,7 +10,7 @@ from kvtier_client import KVTierClient, PageLayout, RemotePages
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from rpc import expect_code, free_port, keys, scrape, value
 
-REQUEST_LIMIT = 4 << 20  # kvtier/server/daemon.py REQUEST_MESSAGE_BYTES
+REQUEST_LIMIT = 4 << 20  # kvtier_client/protocol.py MAX_REQUEST_BYTES (pinned here: the documented limit)
 #: 80 layers x 8 heads x 128 x 16 tokens x K and V in float16: 5 MiB, over the request limit.
 BIG = PageLayout(layers=80, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16")
 BIG_PB = pb.PageLayout(layers=80, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16", order="page_first")

@@ -52,7 +52,7 @@ DOCUMENTED = frozenset({
 })
 DRAIN_TIMEOUT_S = 2.0
 HOST_SIZE = 16 << 20  # pages of up to 16 MiB (sent in pieces: no request is over REQUEST_LIMIT)
-REQUEST_LIMIT = 4 << 20  # kvtier/server/daemon.py REQUEST_MESSAGE_BYTES
+REQUEST_LIMIT = 4 << 20  # kvtier_client/protocol.py MAX_REQUEST_BYTES (pinned here: the documented limit)
 #: Large messages of the run: under the request limit (read, then refused as undecodable) and over it.
 LARGE_SIZES = (256 << 10, 1 << 20, 2 << 20, REQUEST_LIMIT - 64, REQUEST_LIMIT + 1, 5 << 20, 8 << 20, 16 << 20, 32 << 20)
 LARGE_THREADS = 4
