@@ -81,6 +81,7 @@ def test_not_found(conn):
             ("Heartbeat", pb.HeartbeatRequest(session_id=unknown)),
             ("CloseSession", pb.CloseSessionRequest(session_id=unknown)),
             ("Acquire", pb.AcquireRequest(session_id=unknown, keys=cached)),
+            ("AcquirePrefix", pb.AcquirePrefixRequest(session_id=unknown, keys=cached)),
             ("Release", pb.ReleaseRequest(session_id=unknown, lease_id=1)),
         ):
             message = expect_code(Code.NOT_FOUND, conn.call, method, request)
@@ -158,6 +159,7 @@ def test_unavailable_while_draining(daemons, connect):
             ("Register", register_request("drain")),
             ("Borrow", pb.BorrowRequest(session_id=s.id, count=1)),
             ("Acquire", pb.AcquireRequest(session_id=s.id, keys=cached)),
+            ("AcquirePrefix", pb.AcquirePrefixRequest(session_id=s.id, keys=cached)),
             ("Prefetch", pb.PrefetchRequest(session_id=s.id, keys=cached)),
         ):
             message = expect_code(Code.UNAVAILABLE, conn.call, method, request)
