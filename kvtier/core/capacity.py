@@ -1,32 +1,32 @@
-"""Capacity: making room in a tier, and where evicted pages go.
+"""Capacity: making room in a tier, and where evicted pages go. Decisions and bookkeeping
+only: no disk write starts here.
 
     make_room(tier, n, ns)   the tier's policy proposes victims (it never changes anything);
                              too few -> CapacityError with every structure untouched;
+                             dirty host victims not yet tried -> WriteOut (nothing changed);
                              enough -> evict them
-    evict(tier, blocks, ns)  device copies with no host copy are demoted to host, host copies
-                             with no disk copy are copied to disk, as far as the next tier can
-                             take them; then the copies go: device -> host -> disk -> gone
-    prepare / file           a disk write in two halves around the unlocked store
-                             (kvtier.core.writes)
-    persist(deadline)        at a clean stop, host-only (and device-only) pages go to disk, in
-                             batches that each become durable on their own
+    evict(tier, blocks, ns)  device copies with no host copy are demoted to host; then the
+                             copies go: device -> host -> disk -> gone (a host copy that
+                             reaches this with no disk copy was refused or failed to write)
+    prepare / file           a disk write's two halves under the lock, around the store
+                             that kvtier.core.writes runs with the lock released
 
 Every allocation is for a namespace (`ns`), and quotas (kvtier.core.quotas) shape the room
 made for it: a namespace at its maximum evicts its own pages first, and no other namespace
 is evicted below its guarantee. Demotions allocate for the demoted block's namespace.
 Without quotas the namespace decides nothing.
 
-Called by the store with its lock held. Disk I/O is not done here while a request can be
-run again (`restartable` is a set): a host eviction that needs pages written raises
-`WriteOut` and the store writes them with the lock released (kvtier.core.writes). Disk
-index deletions are queued in `forgets`; the store hands them to the mover after releasing
-the lock. Only the stop-time `persist` and device evictions (GPU daemons) still write to
-disk synchronously, under the lock; device demotions are synchronous mover calls.
+Called with the store's lock held. A host eviction that needs pages written prepares
+them and raises `WriteOut`; the request's runner (kvtier.core.writes) writes them with the lock released
+and runs the request again. Disk index deletions are queued in `forgets`, and host pages
+demoted from the device in `staged` (their slot table entries need a hash): the caller
+hands both to the mechanism after releasing the lock. Device demotions are synchronous
+mover calls.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvtier_client.errors import CapacityError
 from kvtier_client.ids import Slot
@@ -36,12 +36,32 @@ from kvtier_client.tiers import Tier
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import PageMover, PageRecord
 from kvtier.core.quotas import Quota, VictimPicker
-from kvtier.core.writes import WriteBatch, WriteOut
 from kvtier.policy import Admission, AdmitAll, Ref
 
-#: Pages per durable step of the stop-time copy to disk: a kill during the stop keeps every
-#: batch written before it.
-PERSIST_BATCH = 64
+@dataclass(eq=False)
+class WriteBatch:
+    """Host pages on their way to disk slots, prepared under the store's lock."""
+
+    entries: list[tuple[Block, PageRecord]] = field(default_factory=list)
+
+    @property
+    def moves(self) -> list[tuple[int, PageRecord]]:
+        return [(block.copies[Tier.HOST].slot, record) for block, record in self.entries]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class WriteOut(Exception):
+    """Not an error: the request must wait for host pages to reach disk before it can evict
+    them. `batch`: pages prepared for this request to write (outside the lock); `saved`:
+    pages others are writing now. The caller does that, then runs the request again from
+    the start (kvtier.core.writes.Writes.run)."""
+
+    def __init__(self, batch: WriteBatch | None, saved: list[Block] = ()) -> None:
+        super().__init__("host pages must reach disk before they are evicted")
+        self.batch = batch
+        self.saved = list(saved)
 
 
 class Capacity:
@@ -53,9 +73,10 @@ class Capacity:
         self.page_bytes = layout.page_bytes
         #: Quotas by namespace (the store sets them); a namespace missing here has none.
         self.quotas: dict[str, Quota] = {}
-        #: Set while a request runs that the store can run again: the pages it already had
-        #: written out. None: write synchronously (stop-time persist, device evictions).
-        self.restartable: set[Ref] | None = None
+        #: Host pages the request in progress already had written to disk, or tried to
+        #: (kvtier.core.writes.Writes.run starts each request with an empty set): an
+        #: eviction drops these if they are still dirty, instead of asking for them again.
+        self.tried: set[Ref] = set()
         #: Disk index entries to delete, handed to the mover outside the lock.
         self.forgets: list[PageRecord] = []
         #: Of those, taken and not yet deleted: gone from the index, still in the disk's.
@@ -111,9 +132,9 @@ class Capacity:
         free = state.slots.free_count
         if n <= free and (not self.quotas or self.over_quota(tier, namespace, n) <= 0):
             return
-        # Host copies being saved are evictable once their write lands: a restartable
-        # request waits for it rather than evicting hotter pages.
-        saves = tier is not Tier.HOST or self.restartable is None
+        # Host copies being saved are evictable once their write lands: the request waits
+        # for it rather than evicting hotter pages.
+        saves = tier is not Tier.HOST
         victims, allowed = self.choose(tier, n, free, namespace, last_resort=not hint, saves=saves)
         if allowed < n:
             raise CapacityError(self.quota_message(tier, n, namespace))
@@ -131,14 +152,14 @@ class Capacity:
     def write_out_first(self, victims: list[Block]) -> None:
         """Raise WriteOut if host victims must reach disk first: some are being saved, or
         some dirty ones (no disk copy) that this request has not tried to write yet fit on
-        disk. Dirty victims it already tried (the write failed, or the disk had no room)
-        are dropped by the eviction, as when the disk is full."""
+        disk (their batch prepared now, while the request's own pages are protected). Dirty victims it already tried (the write failed, or the disk had no
+        room) are dropped by the eviction, as when the disk is full."""
         saved = [b for b in victims if b.copies[Tier.HOST].saved]
         if saved:
             raise WriteOut(None, saved)
         if Tier.DISK not in self.index.tiers:
             return
-        tried, admit = self.restartable, self.admission.admit
+        tried, admit = self.tried, self.admission.admit
         dirty = [b for b in victims if Tier.DISK not in b.copies and b.ref not in tried and admit(b.ref)]
         if not dirty:
             return
@@ -225,50 +246,29 @@ class Capacity:
             dirty = [b for b in victims if Tier.DISK not in b.copies]
             admitted = [b for b in dirty if self.admission.admit(b.ref)]
             tiers[Tier.DISK].counters.refused += len(dirty) - len(admitted)
-            if self.restartable is None:
-                self.copy_to_disk(admitted)
         if tier == Tier.DEVICE:
             also_host = [b for b in victims if Tier.HOST in b.copies]
             self.index.wait_on(also_host, Tier.HOST)  # their host copies survive: not room for the others
-            restartable, self.restartable = self.restartable, None  # device victims are chosen: no restart now
             try:
                 self.copy_down_each([b for b in victims if Tier.HOST not in b.copies])
             finally:
-                self.restartable = restartable
                 self.index.stop_waiting(also_host, Tier.HOST)
         self.drop(victims, tier)
         self.index.evicted(victims, tier, tiers[tier].policy.name, namespace)
 
-    def copy_to_disk(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> None:
-        """Copy host pages to disk now, under the lock (the stop-time persist, device
-        evictions): `prepare`, store, `file`."""
-        batch = self.prepare(blocks, keep)
-        if not batch:
-            return
-        forgets = self.take_forgets()
-        if forgets:  # the slots it evicted leave the index before they are written again
-            self.mover.forget(forgets)
-            self.forgotten(forgets)
-        stored = None
-        try:
-            stored = self.mover.store(batch.moves)
-        except OSError:
-            pass  # counted by `file`; the mechanism logs the fault
-        finally:
-            self.file(batch, stored)
-
+    # -- disk writes: prepared and filed here, stored by kvtier.core.writes ------
     def prepare(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> WriteBatch:
         """Take disk slots for host pages, as many as the disk and their namespaces' disk
         quotas can take (blocks already on disk or being saved are skipped). Disk pages for
         which `keep` is true (default: protected ones) are never evicted for room. Each
         page taken is `saved` (protected) and its disk slot `writing` until `file`."""
-        disk = self.index.tiers[Tier.DISK]
+        capacity, disk = self, self.index.tiers[Tier.DISK]
         blocks = [b for b in blocks if Tier.DISK not in b.copies and not b.copies[Tier.HOST].saved]
         batch = WriteBatch()
-        for namespace, group in self.by_namespace(blocks):
-            victims, allowed = self.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
+        for namespace, group in capacity.by_namespace(blocks):
+            victims, allowed = capacity.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
             if victims:
-                self.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
+                capacity.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
             for block in group[: min(allowed, disk.slots.free_count)]:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None
@@ -351,35 +351,6 @@ class Capacity:
         if tier == Tier.HOST:
             self.mover.unpublish_host([b.copies[Tier.HOST].slot for b in blocks])
         self.forgets += [r for b in blocks if (r := self.index.drop_copy(b, tier)) is not None]
-
-    def persist(self, deadline: float | None = None) -> int:
-        """Copy host-only (and device-only, through host) pages to disk (clean shutdown),
-        evicting colder disk-only pages if needed.
-
-        This keeps what the disk can hold. Pages go in commit order (the index's insertion
-        order), so a prefix is saved before its suffixes, and no disk copy of a page that is
-        also in host is given up for another. They go in batches of PERSIST_BATCH, each
-        durable before the next starts (the disk tier commits its index per batch), and no
-        batch starts after `deadline` (time.monotonic()). Returns how many pages were copied.
-        """
-        tiers, blocks = self.index.tiers, self.index.blocks
-        if Tier.DISK not in tiers:
-            return 0
-        device_only = [b for b in blocks.values() if set(b.copies) == {Tier.DEVICE}]
-        # Through host, as far as host can take them; the rest are not saved.
-        self.copy_down_each(device_only[: tiers[Tier.HOST].slots.capacity])
-        host_only = [b for b in blocks.values() if Tier.DISK not in b.copies and Tier.HOST in b.copies]
-        host_only = host_only[: tiers[Tier.DISK].slots.capacity]
-        protected = self.index.protected(Tier.DISK)
-        before = tiers[Tier.DISK].counters.demotions
-        for start in range(0, len(host_only), PERSIST_BATCH):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            self.copy_to_disk(
-                host_only[start : start + PERSIST_BATCH],
-                keep=lambda ref: protected(ref) or Tier.HOST in blocks[ref].copies,
-            )
-        return tiers[Tier.DISK].counters.demotions - before
 
     def unsaved(self) -> int:
         """Cached blocks with no disk copy: what a clean stop cannot keep on disk."""

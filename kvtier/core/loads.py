@@ -4,16 +4,15 @@
                           many callers: a second request joins the load in flight), read by
                           the mover's I/O workers; device-only blocks are copied down first;
                           room is made for namespace `ns` (its quota)
-    start_remote(ns, keys)   new blocks for keys only the cluster tier holds, each with a
-                          loading host copy read by the mover's cluster readers
-    finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one
+    finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one (disk and
+                          cluster loads: kvtier.core.cluster starts the latter)
     wait_ready(blocks)    the lock released, until the pages are loaded or time is up
     promote(ns, blocks)   host -> device in one copy-engine submission; returns at once
                           with the transfer the engine waits on; `finish_promote` when it lands
 
 Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
 The `loaded` condition (on that same lock) is notified whenever a load, a promotion or a
-disk write ends. `start` may raise WriteOut (kvtier.core.writes) like CapacityError, with
+disk write ends. `start` may raise WriteOut (kvtier.core.capacity) like CapacityError, with
 nothing of its own left behind: the store writes the pages and starts it again.
 """
 from __future__ import annotations
@@ -94,33 +93,11 @@ class Loads:
             index.requests.loads_in_flight += 1
             self.mover.load(job)
 
-    def start_remote(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
-                     kind: LoadKind, priority: int = 0) -> list[Block]:
-        """File a new block per key (none of them in the index), chained from `parent`, each
-        with a loading host copy and one waiter (the caller's), read from the cluster tier.
-        Raises CapacityError (or WriteOut) when room cannot be made, with nothing filed."""
-        index = self.index
-        self.capacity.make_room(Tier.HOST, len(keys), namespace, hint=kind is LoadKind.PREFETCH)
-        state = index.tiers[Tier.HOST]
-        prev = (namespace, parent) if parent is not None else None
-        blocks = []
-        for key in keys:
-            slot = state.slots.alloc()
-            self.capacity.own_host(slot, namespace)
-            record = PageRecord(namespace, key, -1, prev[1] if prev else None)
-            job = LoadJob(record, slot, kind, session, self.finish_load, priority, source=Tier.CLUSTER)
-            ref = (namespace, key)
-            blocks.append(index.add_block(ref, prev, Tier.HOST, Copy(slot, loading=True, waiters=1, job=job)))
-            index.requests.loads_in_flight += 1
-            prev = ref
-            self.mover.load(job)
-        return blocks
-
     def finish_load(self, job: LoadJob, ok: bool) -> None:
-        """A load ended (on an I/O worker, or at once in replay): publish or drop the page.
-        A dropped disk copy's index entry is deleted after the lock is released (by the
-        caller that holds it, when this runs inside a store call)."""
-        outermost = not self._lock._is_owned()
+        """A load ended: publish or drop the page. A dropped disk copy's index entry is
+        deleted, and a page the reader did not verify is hashed, after the lock is
+        released. (The mover calls this from its I/O threads; the bookkeeping mover, which
+        moves no bytes, calls it at once, inside the request that started the load.)"""
         with self._lock:
             index = self.index
             staged: list[PageRecord] = []
@@ -150,10 +127,7 @@ class Loads:
                     self.capacity.drop([block], Tier.DISK)
                     index.corrupted(block)
             self.loaded.notify_all()
-            forgets = self.capacity.take_forgets() if outermost else []
-            if not outermost:  # the store call around us publishes them after its lock
-                self.capacity.staged += staged
-                staged = []
+            forgets = self.capacity.take_forgets()
         self.forget(forgets)
         self.mover.publish_host(staged)
 

@@ -1,0 +1,117 @@
+"""The cluster tier as the core sees it: a store shared by nodes, below disk.
+
+    present(ns, keys)     how many leading keys the cluster holds: one network round trip,
+                          never under the lock
+    start_loads(ns, keys) a new block per key (none in the index), each with a loading host
+                          copy read by the mover's cluster readers (Loads.finish_load ends it)
+    prefetch(ns, keys)    the same for keys nobody waits for (held once loaded)
+    hold / write          a commit's pages go to the cluster writer, their host copies held
+                          until it reports (`cluster_write = commit`)
+    copy_demoted(batch)   the pages of a disk write batch that the cluster lacks go to the
+                          writer as copies (`cluster_write = demote`)
+
+Hits found here are reported as CLUSTER by lookups. Everything but `present`, `write` and
+`copy_demoted` runs with the store's lock held; those take it where they need it.
+"""
+from __future__ import annotations
+
+import threading
+
+from kvtier_client.errors import CapacityError
+from kvtier_client.ids import SessionId
+from kvtier_client.tiers import Tier
+
+from kvtier.core.capacity import Capacity
+from kvtier.core.index import Block, BlockIndex, Copy
+from kvtier.core.loads import Loads
+from kvtier.core.ports import LoadJob, LoadKind, PageMover, PageRecord
+
+
+class ClusterCopies:
+    def __init__(self, index: BlockIndex, capacity: Capacity, loads: Loads, mover: PageMover,
+                 lock: threading.RLock) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.loads = loads
+        self.mover = mover
+        self._lock = lock
+
+    def present(self, namespace: str, keys: list[bytes]) -> int:
+        """How many leading `keys` the cluster holds (0 when it fails); the lock released."""
+        return self.mover.remote_present(namespace, keys) if keys else 0
+
+    def start_loads(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
+                    kind: LoadKind, priority: int = 0) -> list[Block]:
+        """File a new block per key (none of them in the index), chained from `parent`, each
+        with a loading host copy and one waiter (the caller's), read from the cluster tier.
+        Raises CapacityError (or WriteOut) when room cannot be made, with nothing filed."""
+        index = self.index
+        self.capacity.make_room(Tier.HOST, len(keys), namespace, hint=kind is LoadKind.PREFETCH)
+        state = index.tiers[Tier.HOST]
+        prev = (namespace, parent) if parent is not None else None
+        blocks = []
+        for key in keys:
+            slot = state.slots.alloc()
+            self.capacity.own_host(slot, namespace)
+            record = PageRecord(namespace, key, -1, prev[1] if prev else None)
+            job = LoadJob(record, slot, kind, session, self.loads.finish_load, priority, source=Tier.CLUSTER)
+            ref = (namespace, key)
+            blocks.append(index.add_block(ref, prev, Tier.HOST, Copy(slot, loading=True, waiters=1, job=job)))
+            index.requests.loads_in_flight += 1
+            prev = ref
+            self.mover.load(job)
+        return blocks
+
+    def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
+                 priority: int) -> int:
+        """Prefetch keys the cluster holds, up to the first one this node has meanwhile;
+        returns how many loads started (0 when the queue is full or no room can be made)."""
+        keys = keys[: self.mover.prefetch_room(Tier.CLUSTER)]
+        keys = keys[: next((i for i, key in enumerate(keys) if (namespace, key) in self.index.blocks), len(keys))]
+        if not keys:
+            return 0
+        try:
+            blocks = self.start_loads(session, namespace, keys, parent, LoadKind.PREFETCH, priority)
+        except CapacityError:
+            return 0
+        self.index.stop_waiting(blocks, Tier.HOST)  # nobody waits: the hold protects them once loaded
+        return len(blocks)
+
+    # -- writes -----------------------------------------------------------------
+    def hold(self, blocks: list[Block]) -> None:
+        """Keep committed pages' host slots put until the cluster writer reports (under the lock)."""
+        for b in blocks:
+            b.copies[Tier.HOST].readers += 1
+
+    def write(self, blocks: list[Block]) -> None:
+        """Hand held committed pages to the cluster writer (the lock released); they are
+        let go when it is done, or now if it refuses them."""
+        namespace = blocks[0].ref[0]
+        pages = [(b.ref[1], b.copies[Tier.HOST].slot) for b in blocks]
+        if not self.mover.remote_write(namespace, pages, lambda results: self._written(blocks, results)):
+            self._written(blocks, [False] * len(blocks))
+
+    def copy_demoted(self, blocks: list[Block]) -> None:
+        """Offer the pages of a disk write batch that the cluster lacks to its writer, as
+        copies (the batch protects their host slots only until it is filed)."""
+        by_namespace: dict[str, list[Block]] = {}
+        with self._lock:
+            for block in blocks:
+                if not block.in_cluster:
+                    by_namespace.setdefault(block.ref[0], []).append(block)
+            pages = {ns: [(b.ref[1], b.copies[Tier.HOST].slot) for b in group] for ns, group in by_namespace.items()}
+        for namespace, group in by_namespace.items():
+            self.mover.remote_write(namespace, pages[namespace], lambda results, group=group:
+                                    self._written(group, results, held=False), copy=True)
+
+    def _written(self, blocks: list[Block], results: list[bool], held: bool = True) -> None:
+        with self._lock:
+            events = self.index.events
+            for b, ok in zip(blocks, results):
+                if held:  # a commit's pages: their host copies were kept for the writer
+                    b.copies[Tier.HOST].readers -= 1
+                b.in_cluster = b.in_cluster or ok
+                if ok and events is not None:
+                    namespace, key = b.ref
+                    events.stored(Tier.CLUSTER, namespace, key, b.parent[1] if b.parent else None, b.tokens)
+            self.loads.loaded.notify_all()
