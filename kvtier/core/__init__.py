@@ -1,8 +1,11 @@
 """Core: the block index, leases and sessions, loads and capacity of one page layout,
 behind one façade (`BlockStore`) and one lock. The only code that changes residency.
 
-Import from here: these names are the core's boundary."""
-from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissReason
+Import from here: these names are the core's boundary. MissReason is the client's
+(kvtier_client.results), the one definition of the wire's miss reasons."""
+from kvtier_client.results import MissReason
+
+from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.index import TierCounters, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind
 from kvtier.core.quotas import Quota

@@ -21,7 +21,7 @@ them and raises `WriteOut`; the request's runner (kvtier.core.writes) writes the
 and runs the request again. Disk index deletions are queued in `forgets`, and host pages
 demoted from the device in `staged` (their slot table entries need a hash): the caller
 hands both to the mechanism after releasing the lock. Device demotions are synchronous
-mover calls.
+port calls.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core.index import Block, BlockIndex, Copy
-from kvtier.core.ports import PageMover, PageRecord
+from kvtier.core.ports import Mechanism, PageRecord
 from kvtier.core.quotas import Quota, VictimPicker
 from kvtier.policy import Admission, AdmitAll, Ref
 
@@ -65,9 +65,9 @@ class WriteOut(Exception):
 
 
 class Capacity:
-    def __init__(self, index: BlockIndex, mover: PageMover, layout: PageLayout, admission: Admission | None = None) -> None:
+    def __init__(self, index: BlockIndex, ports: Mechanism, layout: PageLayout, admission: Admission | None = None) -> None:
         self.index = index
-        self.mover = mover
+        self.ports = ports
         #: Which host pages leaving host are written to disk (kvtier.policy.admission).
         self.admission = admission or AdmitAll()
         self.page_bytes = layout.page_bytes
@@ -77,7 +77,7 @@ class Capacity:
         #: (kvtier.core.writes.Writes.run starts each request with an empty set): an
         #: eviction drops these if they are still dirty, instead of asking for them again.
         self.tried: set[Ref] = set()
-        #: Disk index entries to delete, handed to the mover outside the lock.
+        #: Disk index entries to delete, handed to the disk port outside the lock.
         self.forgets: list[PageRecord] = []
         #: Of those, taken and not yet deleted: gone from the index, still in the disk's.
         self.forgetting: set[PageRecord] = set()
@@ -99,7 +99,7 @@ class Capacity:
         return forgets
 
     def forgotten(self, records: list[PageRecord]) -> None:
-        """The mover deleted these index entries."""
+        """The disk port deleted these index entries."""
         self.forgetting.difference_update(records)
 
     # -- host slots changing hands ---------------------------------------------
@@ -108,7 +108,7 @@ class Capacity:
         change of holder, so nothing of the previous one shows through. True if it changed."""
         if self.index.host_owner[slot] == namespace:
             return False
-        self.mover.give_host(slot, namespace)
+        self.ports.host.give(slot, namespace)
         self.index.host_owner[slot] = namespace
         return True
 
@@ -333,14 +333,14 @@ class Capacity:
         for b, slot in zip(blocks, slots):
             self.own_host(slot, b.ref[0])
         try:
-            self.mover.demote([(b.copies[Tier.DEVICE].slot, slot) for b, slot in zip(blocks, slots)])
+            self.ports.device.demote([(b.copies[Tier.DEVICE].slot, slot) for b, slot in zip(blocks, slots)])
         except BaseException:
             for slot in slots:
                 host.slots.free(slot)
             raise
         for b, slot in zip(blocks, slots):  # filed only once the bytes are there
             self.index.add_copy(b, Tier.HOST, Copy(slot))
-        self.staged += self.mover.stage_host([b.entry(Tier.HOST) for b in blocks])
+        self.staged += self.ports.host.stage([b.entry(Tier.HOST) for b in blocks])
         host.counters.demotions += len(blocks)
         host.counters.bytes_in += len(blocks) * self.page_bytes
 
@@ -349,7 +349,7 @@ class Capacity:
         slots can be reused; disk copies' index entries are queued in `forgets`, deleted
         outside the lock (the disk tier keeps a reused slot safe: kvtier.mechanism.disk)."""
         if tier == Tier.HOST:
-            self.mover.unpublish_host([b.copies[Tier.HOST].slot for b in blocks])
+            self.ports.host.unpublish([b.copies[Tier.HOST].slot for b in blocks])
         self.forgets += [r for b in blocks if (r := self.index.drop_copy(b, tier)) is not None]
 
     def unsaved(self) -> int:

@@ -3,7 +3,7 @@
     present(ns, keys)     how many leading keys the cluster holds: one network round trip,
                           never under the lock
     start_loads(ns, keys) a new block per key (none in the index), each with a loading host
-                          copy read by the mover's cluster readers (Loads.finish_load ends it)
+                          copy read by the remote port's readers (Loads.finish_load ends it)
     prefetch(ns, keys)    the same for keys nobody waits for (held once loaded)
     hold / write          a commit's pages go to the cluster writer, their host copies held
                           until it reports (`cluster_write = commit`)
@@ -24,21 +24,21 @@ from kvtier_client.tiers import Tier
 from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.loads import Loads
-from kvtier.core.ports import LoadJob, LoadKind, PageMover, PageRecord
+from kvtier.core.ports import LoadJob, LoadKind, PageRecord, RemotePort
 
 
 class ClusterCopies:
-    def __init__(self, index: BlockIndex, capacity: Capacity, loads: Loads, mover: PageMover,
+    def __init__(self, index: BlockIndex, capacity: Capacity, loads: Loads, remote: RemotePort,
                  lock: threading.RLock) -> None:
         self.index = index
         self.capacity = capacity
         self.loads = loads
-        self.mover = mover
+        self.remote = remote
         self._lock = lock
 
     def present(self, namespace: str, keys: list[bytes]) -> int:
         """How many leading `keys` the cluster holds (0 when it fails); the lock released."""
-        return self.mover.remote_present(namespace, keys) if keys else 0
+        return self.remote.present(namespace, keys) if keys else 0
 
     def start_loads(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
                     kind: LoadKind, priority: int = 0) -> list[Block]:
@@ -59,14 +59,14 @@ class ClusterCopies:
             blocks.append(index.add_block(ref, prev, Tier.HOST, Copy(slot, loading=True, waiters=1, job=job)))
             index.requests.loads_in_flight += 1
             prev = ref
-            self.mover.load(job)
+            self.remote.load(job)
         return blocks
 
     def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
                  priority: int) -> int:
         """Prefetch keys the cluster holds, up to the first one this node has meanwhile;
         returns how many loads started (0 when the queue is full or no room can be made)."""
-        keys = keys[: self.mover.prefetch_room(Tier.CLUSTER)]
+        keys = keys[: self.remote.prefetch_room()]
         keys = keys[: next((i for i, key in enumerate(keys) if (namespace, key) in self.index.blocks), len(keys))]
         if not keys:
             return 0
@@ -88,7 +88,7 @@ class ClusterCopies:
         let go when it is done, or now if it refuses them."""
         namespace = blocks[0].ref[0]
         pages = [(b.ref[1], b.copies[Tier.HOST].slot) for b in blocks]
-        if not self.mover.remote_write(namespace, pages, lambda results: self._written(blocks, results)):
+        if not self.remote.write(namespace, pages, lambda results: self._written(blocks, results)):
             self._written(blocks, [False] * len(blocks))
 
     def copy_demoted(self, blocks: list[Block]) -> None:
@@ -101,8 +101,8 @@ class ClusterCopies:
                     by_namespace.setdefault(block.ref[0], []).append(block)
             pages = {ns: [(b.ref[1], b.copies[Tier.HOST].slot) for b in group] for ns, group in by_namespace.items()}
         for namespace, group in by_namespace.items():
-            self.mover.remote_write(namespace, pages[namespace], lambda results, group=group:
-                                    self._written(group, results, held=False), copy=True)
+            self.remote.write(namespace, pages[namespace], lambda results, group=group:
+                              self._written(group, results, held=False), copy=True)
 
     def _written(self, blocks: list[Block], results: list[bool], held: bool = True) -> None:
         with self._lock:

@@ -9,9 +9,9 @@ it. A key too old to remember reads as never stored. A block filed again under i
 from __future__ import annotations
 
 from collections import OrderedDict
-from enum import Enum
 from typing import NamedTuple
 
+from kvtier_client.results import MissReason
 from kvtier_client.tiers import Tier
 
 from kvtier.policy import Ref
@@ -22,15 +22,6 @@ DEFAULT_HISTORY_SIZE = 65_536
 #: value, and the ref it keeps alive (a 2-tuple and a 16-byte key). Measured: 210 B
 #: allocated (tests/core/test_history.py), ~290 B of RSS with the allocators' rounding.
 ENTRY_BYTES = 256
-
-
-class MissReason(str, Enum):
-    """Why a looked-up key was not part of the hit prefix."""
-
-    NEVER_STORED = "never_stored"  # no record of it (or too old to remember)
-    EVICTED = "evicted"  # its last copy was evicted
-    CORRUPT = "corrupt"  # its last copy failed its checksum and was dropped
-    BEYOND_PREFIX = "beyond_prefix"  # cached, but after a key that is not
 
 
 class Departure(NamedTuple):
@@ -47,7 +38,8 @@ class Departure(NamedTuple):
 #: own_pressure (1), policy (as an index into the history's few policy names, 8), and
 #: `when` in microseconds. One int costs far less than a tuple and a float, and the garbage
 #: collector does not track it, so a full history does not slow every collection.
-_REASONS = (MissReason.NEVER_STORED, MissReason.EVICTED, MissReason.CORRUPT, MissReason.BEYOND_PREFIX)
+_REASONS = tuple(MissReason)  # kvtier_client.results.MissReason, the one definition
+assert len(_REASONS) <= 4, "a reason is 2 bits of an entry"
 _CODE = {reason: code for code, reason in enumerate(_REASONS)}
 _POLICY_SHIFT, _WHEN_SHIFT = 6, 14
 _MAX_POLICIES = 1 << (_WHEN_SHIFT - _POLICY_SHIFT)

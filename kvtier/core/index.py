@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import Slot
+from kvtier_client.results import MissReason
 from kvtier_client.tiers import Tier
 
-from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory, MissReason
+from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory
 from kvtier.core.ports import BlockEvents, LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
 from kvtier.policy import EvictionPolicy, Ref

@@ -2,7 +2,7 @@
 
     start(ns, blocks, HOST)  one loading host copy per disk-only block (one per page however
                           many callers: a second request joins the load in flight), read by
-                          the mover's I/O workers; device-only blocks are copied down first;
+                          the disk port's I/O workers; device-only blocks are copied down first;
                           room is made for namespace `ns` (its quota)
     finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one (disk and
                           cluster loads: kvtier.core.cluster starts the latter)
@@ -28,15 +28,15 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex, Copy
-from kvtier.core.ports import LoadJob, LoadKind, PageMover, PageRecord, Transfer
+from kvtier.core.ports import LoadJob, LoadKind, Mechanism, PageRecord, Transfer
 
 
 class Loads:
-    def __init__(self, index: BlockIndex, capacity: Capacity, mover: PageMover, layout: PageLayout,
+    def __init__(self, index: BlockIndex, capacity: Capacity, ports: Mechanism, layout: PageLayout,
                  lock: threading.RLock, prefetch_hold: float) -> None:
         self.index = index
         self.capacity = capacity
-        self.mover = mover
+        self.ports = ports
         self.page_bytes = layout.page_bytes
         self.prefetch_hold = prefetch_hold
         self._lock = lock
@@ -79,7 +79,7 @@ class Loads:
         if kind is LoadKind.ACQUIRE:
             for b in present:
                 if b.copies[tier].job is not None:
-                    self.mover.boost(b.copies[tier].job)  # an Acquire now waits on a queued prefetch
+                    self.ports.disk.boost(b.copies[tier].job)  # an Acquire now waits on a queued prefetch
         state = index.tiers[tier]
         for b in missing:
             slot = state.slots.alloc()
@@ -91,12 +91,12 @@ class Loads:
             job = LoadJob(source.record, slot, kind, session, self.finish_load, priority)
             index.add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
             index.requests.loads_in_flight += 1
-            self.mover.load(job)
+            self.ports.disk.load(job)
 
     def finish_load(self, job: LoadJob, ok: bool) -> None:
         """A load ended: publish or drop the page. A dropped disk copy's index entry is
         deleted, and a page the reader did not verify is hashed, after the lock is
-        released. (The mover calls this from its I/O threads; the bookkeeping mover, which
+        released. (The ports call this from their I/O threads; the bookkeeping ports, which
         moves no bytes, calls it at once, inside the request that started the load.)"""
         with self._lock:
             index = self.index
@@ -118,7 +118,7 @@ class Loads:
                 entry = block.entry(Tier.HOST)
                 if from_disk:  # the reader verified the page against this checksum: not hashed again
                     entry = replace(entry, length=job.record.length, checksum=job.record.checksum)
-                staged = self.mover.stage_host([entry])
+                staged = self.ports.host.stage([entry])
             else:
                 # Waiting acquires see the copy gone and stop their ready prefix before it.
                 copy.waiters = 0
@@ -129,13 +129,13 @@ class Loads:
             self.loaded.notify_all()
             forgets = self.capacity.take_forgets()
         self.forget(forgets)
-        self.mover.publish_host(staged)
+        self.ports.host.publish(staged)
 
     def forget(self, records: list[PageRecord]) -> None:
-        """Delete disk index entries taken from `capacity` (the lock released): the mover
+        """Delete disk index entries taken from `capacity` (the lock released): the disk port
         deletes them, then they stop counting as in flight (Capacity.forgetting)."""
         if records:
-            self.mover.forget(records)
+            self.ports.disk.forget(records)
             with self._lock:
                 self.capacity.forgotten(records)
 
@@ -172,11 +172,12 @@ class Loads:
     # -- withdrawing ----------------------------------------------------------
     def cancel_session(self, session: SessionId) -> None:
         """Withdraw a session's queued prefetches that no Acquire waits for."""
-        self._withdraw(self.mover.cancel(session, lambda job: self.index.block_of(job).copies[Tier.HOST].waiters == 0))
+        unwaited = lambda job: self.index.block_of(job).copies[Tier.HOST].waiters == 0  # noqa: E731
+        self._withdraw([job for port in self.ports.sources() for job in port.cancel(session, unwaited)])
 
     def cancel_all(self) -> None:
         """Withdraw every queued load (shutdown): waiting acquires return what is ready."""
-        self._withdraw(self.mover.cancel(None, lambda job: True))
+        self._withdraw([job for port in self.ports.sources() for job in port.cancel(None, lambda job: True)])
 
     def _withdraw(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
@@ -218,7 +219,7 @@ class Loads:
         present = [b for b in blocks if Tier.DEVICE in b.copies]
         in_flight = any(b.copies[Tier.DEVICE].loading for b in present)
         if not missing:
-            return self.mover.marker() if in_flight else None
+            return self.ports.device.marker() if in_flight else None
         # Copies that arrived while we waited (another acquire's) must not be chosen for room.
         self.index.wait_on(present, Tier.DEVICE)
         try:
@@ -227,7 +228,7 @@ class Loads:
             self.index.stop_waiting(present, Tier.DEVICE)
         slots = [device.slots.alloc() for _ in missing]
         try:
-            self.mover.give_device(slots, namespace)
+            self.ports.device.give(slots, namespace)
         except CapacityError:
             for slot in slots:
                 device.slots.free(slot)
@@ -238,7 +239,7 @@ class Loads:
             self.index.add_copy(b, Tier.DEVICE, Copy(slot, loading=True))
             pairs.append((b.copies[Tier.HOST].slot, slot))
         # The promotion stream runs in order: this transfer also covers earlier ones in flight.
-        return self.mover.promote(pairs, lambda transfer, ok: self.finish_promote(missing, ok))
+        return self.ports.device.promote(pairs, lambda transfer, ok: self.finish_promote(missing, ok))
 
     def finish_promote(self, blocks: list[Block], ok: bool) -> None:
         """A promotion landed (on the copy engine's thread, or at once in replay)."""

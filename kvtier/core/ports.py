@@ -1,27 +1,28 @@
 """Ports: what the core needs from mechanism, defined by the core and implemented there.
 
-The core decides which page goes where; mechanism moves the bytes. The core calls one
-`PageMover` by slot number and never imports a tier: `kvtier.mechanism.mover.ArenaMover`
-moves real bytes between the arenas and the disk, `kvtier.core.bookkeeping.BookkeepingMover`
-only keeps the books (trace replay, core tests).
+The core decides which page goes where; mechanism moves the bytes. The core reaches each
+tier through one narrow port, by slot number, and never imports a tier. `Mechanism` holds
+the ports of one store: `kvtier.mechanism.mover.arena_ports` gives real ones (arenas,
+disk, cluster, device), `kvtier.core.bookkeeping.bookkeeping_ports` ones that keep only
+the books (trace replay, core tests).
 
-    give_host        a host slot is about to hold another namespace's bytes   synchronous
-    populate_host    fault in given host slots' memory            outside the lock
-    stage_host / unpublish_host   host pages in or out of the host tier's
-                     persistent slot table (warm restart)                     synchronous
-    publish_host     hash staged pages and enter them             outside the lock
-    store / forget   host slots -> disk slots; disk pages out of the index     synchronous
-    load             one disk or cluster page -> one host slot, `LoadJob.on_done` later
-                                                                              asynchronous
-    prefetch_room / boost / cancel    the read queues' back-pressure and order
-    remote_present   how many leading keys the cluster tier holds              synchronous,
-                                                                  network: never under the lock
-    remote_write     host pages -> the cluster tier, `on_done` later           asynchronous
-    give_device      device slots are about to hold a namespace's bytes       synchronous
-    promote / marker host slots -> device slots, `on_done` when they land      asynchronous
-    demote           device slots -> host slots                                synchronous
+    host    give        a host slot is about to hold another namespace's bytes  (lock held)
+            populate    fault in given slots' memory                       (lock released)
+            stage / unpublish   pages in or out of the persistent slot table (lock held)
+            publish     hash staged pages and enter them                   (lock released)
+    disk    store / forget      host slots -> disk slots; index entries out (lock released)
+    remote  present     how many leading keys the cluster holds: network    (lock released)
+            write       host pages -> the cluster, `on_done` later          (asynchronous)
+    disk and remote, as page sources:
+            load        one page -> one host slot, `LoadJob.on_done` later  (asynchronous)
+            prefetch_room / boost / cancel   the read queue's back-pressure and order
+    device  give        device slots are about to hold a namespace's bytes
+            promote / marker   host slots -> device slots, `on_done` when they land
+            demote      device slots -> host slots                          (synchronous)
 
-Asynchronous completions run on mechanism threads; the core takes its own lock there.
+Where lower tiers encode a page (a codec: identity today), it is inside their port: the
+core sees slots and records only. Asynchronous completions run on mechanism threads; the
+core takes its own lock there.
 
 `BlockEvents` is the other port: what the index tells the outside (KV events for routers)
 each time a copy of a block appears in or leaves a tier.
@@ -90,48 +91,39 @@ class Transfer(Protocol):
         """Host-side wait for the copy to land."""
 
 
-class PageMover(Protocol):
-    def give_host(self, slot: Slot, namespace: str) -> None:
+class HostPort(Protocol):
+    def give(self, slot: Slot, namespace: str) -> None:
         """Host slot `slot` is about to hold `namespace`'s bytes (a write lease, a load, a
         demotion), and held another namespace's (or nothing) before: nothing of the previous
         holder may show through it."""
 
-    def populate_host(self, slots: Sequence[Slot], namespace: str) -> None:
-        """Fault in the memory behind host slots just given to `namespace` (outside the
-        lock, before their writer touches them), so no request waits behind it."""
+    def populate(self, slots: Sequence[Slot], namespace: str) -> None:
+        """Fault in the memory behind host slots just given to `namespace` (the lock
+        released, before their writer touches them), so no request waits behind it."""
 
-    def stage_host(self, records: Sequence[PageRecord]) -> list[PageRecord]:
-        """Host pages whose bytes are final (committed, loaded, demoted) go into the host
-        tier's persistent slot table, so that a daemon crash keeps them: those with a known
-        checksum (`length` set) now, the others are returned, for `publish_host`."""
+    def stage(self, records: Sequence[PageRecord]) -> list[PageRecord]:
+        """Host pages whose bytes are final (committed, loaded, demoted) go into the
+        persistent slot table, so that a daemon crash keeps them: those with a known
+        checksum (`length` set) now, the others are returned, for `publish`."""
 
-    def publish_host(self, records: Sequence[PageRecord]) -> None:
-        """Hash staged pages and enter them in the slot table (outside the lock: the bytes
+    def publish(self, records: Sequence[PageRecord]) -> None:
+        """Hash staged pages and enter them in the slot table (the lock released: the bytes
         are read here); a page unpublished meanwhile is skipped."""
 
-    def unpublish_host(self, slots: Sequence[Slot]) -> None:
+    def unpublish(self, slots: Sequence[Slot]) -> None:
         """Take host slots out of the slot table; called before they can be reused."""
 
-    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
-        """Copy host slots to the disk slots named in the records; return the stored records."""
+
+class PageSource(Protocol):
+    """A tier pages are read from into host slots (disk, remote)."""
 
     def load(self, job: LoadJob) -> None:
-        """Start copying a page from `job.source` into a host slot; `job.on_done(job, ok)`
-        reports the result, ok False if the page failed its checksum or the cluster no
-        longer holds it (drop it). May call back at once."""
+        """Start copying a page into `job.host_slot`; `job.on_done(job, ok)` reports the
+        result, ok False if the page failed its checksum or the tier no longer holds it
+        (drop it)."""
 
-    def prefetch_room(self, source: Tier = Tier.DISK) -> int:
-        """How many prefetch loads from `source` can be queued now (back-pressure)."""
-
-    def remote_present(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the cluster tier holds (0 without one, or when it fails)."""
-
-    def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
-                     on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
-        """Queue host pages (key, slot) for the cluster tier; `on_done` hears each page's
-        result later, on another thread. The slots must stay put until then, unless `copy`:
-        their bytes are copied before this returns. False when refused (no cluster, queue
-        full, cluster failing): nothing was queued and `on_done` is never called."""
+    def prefetch_room(self) -> int:
+        """How many prefetch loads can be queued now (back-pressure)."""
 
     def boost(self, job: LoadJob) -> None:
         """Run a queued prefetch load with Acquire priority."""
@@ -140,10 +132,29 @@ class PageMover(Protocol):
         """Withdraw a session's (None: every session's) queued loads that `cancellable`
         allows; returns them."""
 
+
+class DiskPort(PageSource, Protocol):
+    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
+        """Copy host slots to the disk slots named in the records; return the stored records."""
+
     def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove disk pages from the persistent index."""
 
-    def give_device(self, slots: Sequence[Slot], namespace: str) -> None:
+
+class RemotePort(PageSource, Protocol):
+    def present(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the cluster tier holds (0 when it fails)."""
+
+    def write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
+              on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
+        """Queue host pages (key, slot) for the cluster tier; `on_done` hears each page's
+        result later, on another thread. The slots must stay put until then, unless `copy`:
+        their bytes are copied before this returns. False when refused (queue full, cluster
+        failing): nothing was queued and `on_done` is never called."""
+
+
+class DevicePort(Protocol):
+    def give(self, slots: Sequence[Slot], namespace: str) -> None:
         """Device slots are about to hold `namespace`'s bytes (a promotion): nothing of a
         previous holder may show through them, in the daemon or in any client. Raises
         CapacityError, with the slots unchanged, when the device has no memory to do so."""
@@ -156,6 +167,27 @@ class PageMover(Protocol):
 
     def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
         """Copy (device slot, host slot) pairs and return when the bytes are in host memory."""
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """The ports of one store: host always; disk, remote (the cluster tier) and device
+    where the pool has them (the store's tiers must match)."""
+
+    host: HostPort
+    disk: DiskPort | None = None
+    remote: RemotePort | None = None
+    device: DevicePort | None = None
+
+    def source(self, tier: Tier) -> PageSource:
+        """The port pages of `tier` (DISK or CLUSTER) are loaded from."""
+        port = self.remote if tier is Tier.CLUSTER else self.disk
+        if port is None:
+            raise RuntimeError(f"no {tier.label} tier configured: the core must not load pages from it")
+        return port
+
+    def sources(self) -> list[PageSource]:
+        return [port for port in (self.disk, self.remote) if port is not None]
 
 
 class BlockEvents(Protocol):

@@ -28,19 +28,19 @@ from kvtier.core.cluster import ClusterCopies
 from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import LoadKind, PageMover, Transfer
+from kvtier.core.ports import LoadKind, Mechanism, Transfer
 from kvtier.core.results import PrefixMatch, ReadGrant
 
 T = TypeVar("T")
 
 
 class Reads:
-    def __init__(self, index: BlockIndex, leases: LeaseTable, loads: Loads, mover: PageMover, lock: threading.RLock,
+    def __init__(self, index: BlockIndex, leases: LeaseTable, loads: Loads, ports: Mechanism, lock: threading.RLock,
                  run: Callable[[Callable[[], T]], T], cluster: ClusterCopies | None) -> None:
         self.index = index
         self.leases = leases
         self.loads = loads
-        self.mover = mover
+        self.ports = ports
         self.cluster = cluster
         self._lock = lock
         self._run = run
@@ -249,7 +249,7 @@ class Reads:
 
     def _prefetch_local(self, session: SessionId, namespace: str, keys: list[bytes], priority: int) -> tuple[int, bool]:
         """(leading keys accepted, whether it stopped only because a key is not cached here)."""
-        room = self.mover.prefetch_room(Tier.DISK)
+        room = self.ports.disk.prefetch_room() if self.ports.disk is not None else 0
         accepted = 0
         for key in keys:
             block = self.index.blocks.get((namespace, key))

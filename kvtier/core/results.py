@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 
 from kvtier_client.ids import LeaseId, Slot
+from kvtier_client.results import BlockReason
 from kvtier_client.tiers import Tier
 
 from kvtier.core.index import TierCounters
@@ -88,7 +88,7 @@ class NamespaceTierUsage:
 @dataclass(frozen=True)
 class NamespaceUsage:
     """One namespace's use of the store. `misses`: missed blocks by reason (the values of
-    kvtier.core.history.MissReason: never_stored, evicted, corrupt, beyond_prefix)."""
+    kvtier_client.results.MissReason: never_stored, evicted, corrupt, beyond_prefix)."""
 
     namespace: str
     tiers: tuple[NamespaceTierUsage, ...]
@@ -122,14 +122,10 @@ class StoreUsage:
         return next((n for n in self.namespaces if n.namespace == namespace), None)
 
 
-class BlockState(Enum):
-    """What `explain` finds for one key (the values match kvtier.core.history.MissReason)."""
-
-    CACHED = "cached"  # in the lookup's hit prefix
-    NEVER_STORED = "never_stored"  # no record of it (or too old to remember)
-    EVICTED = "evicted"  # its last copy was evicted
-    CORRUPT = "corrupt"  # its last copy failed its checksum and was dropped
-    BEYOND_PREFIX = "beyond_prefix"  # cached, but after a key that is not
+#: What `explain` finds for one key: the wire's BlockReason, CACHED or a MissReason (built
+#: from kvtier_client.results.MissReason; the core never answers OTHER_LAYOUT, which
+#: kvtier.server.explain finds across pools).
+BlockState = BlockReason
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ This module is the façade: it validates a request, and hands it to the room tha
     quotas.py    per-namespace quotas, and the victim picker that keeps their guarantees
     history.py   blocks that left the index, so a miss can say why
     results.py   what the calls return (PrefixMatch, WriteGrant, ReadGrant, ...)
-    ports.py     what the core needs from mechanism (PageMover, LoadJob, PageRecord, Transfer)
+    ports.py     what the core needs from mechanism: one narrow port per tier (Mechanism)
     slots.py     a tier's free slots (SlotAllocator)
-    bookkeeping.py  a mover with no bytes, for replay and tests
+    bookkeeping.py  ports with no bytes, for replay and tests
 
 The engine's path to a page, in four hops:
 
@@ -32,7 +32,7 @@ The engine's path to a page, in four hops:
                  -> n host slots, leased for writing
     commit(keys) -> each slot becomes a cached copy of its key (or is freed as a duplicate)
     acquire(keys, HOST) -> loads.start: a loading host copy per disk-only block, read by
-                 the mover's I/O workers; waits per the wait policy, then pins the ready prefix
+                 the disk port's I/O workers; waits per the wait policy, then pins the ready prefix
     release      -> unpins (read) or frees what was never committed (write)
 
 On a GPU daemon a device tier sits above host. `acquire(keys, DEVICE)` first brings every
@@ -45,7 +45,7 @@ With a cluster tier (a store shared by nodes, below disk), a lookup whose prefix
 here asks the cluster for the rest, outside the lock, and reports its hits as CLUSTER;
 `acquire` and `prefetch` file a new block per such key with a loading host copy and load
 it through the same path as a disk page (`Loads.start_remote`). Committed pages are handed
-to the mover's cluster writer with their host copies held until it reports
+to the remote port's writer with their host copies held until it reports
 (`cluster_write = commit`), or copied as they are demoted to disk (`demote`).
 
 Capacity failures are decided before anything changes: `victims` only proposes, so a
@@ -77,7 +77,7 @@ from kvtier.core.index import (
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import BlockEvents, PageMover, PageRecord
+from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
@@ -107,8 +107,9 @@ class BlockStore:
     `recovered` is the disk tier's persisted index, filed as cached disk pages;
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
-    the index remembered (all namespaces together), to explain misses. `cluster`: the mover has a
-    cluster tier (`cluster_write`: when pages are copied to it).
+    the index remembered (all namespaces together), to explain misses. `ports` reach the tiers'
+    bytes; with a remote port the store has a cluster tier (`cluster_write`: when pages are
+    copied to it).
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class BlockStore:
         layout: PageLayout,
         *,
         host_pages: int,
-        mover: PageMover,
+        ports: Mechanism,
         disk_pages: int = 0,
         device_pages: int = 0,
         policy: Callable[[int], EvictionPolicy] = LRUPolicy,
@@ -127,7 +128,6 @@ class BlockStore:
         recovered_host: Iterable[PageRecord] = (),
         host_reused: bool = False,
         history_size: int = DEFAULT_HISTORY_SIZE,
-        cluster: bool = False,
         cluster_write: ClusterWrite = ClusterWrite.OFF,
     ) -> None:
         if host_pages <= 0:
@@ -136,8 +136,8 @@ class BlockStore:
         self.write_through = write_through
         #: A cluster tier below the others: lookups, acquires and prefetches go on to it
         #: for keys this node does not hold, and pages are copied to it per `cluster_write`.
-        self.cluster = cluster
-        self.cluster_write = cluster_write if cluster else ClusterWrite.OFF
+        self.cluster = ports.remote is not None
+        self.cluster_write = cluster_write if self.cluster else ClusterWrite.OFF
         if self.cluster_write is ClusterWrite.DEMOTE and disk_pages <= 0:
             raise ValueError("cluster_write = demote copies pages as they are demoted to disk: it needs a disk tier")
         adopted = list(recovered_host)
@@ -156,13 +156,13 @@ class BlockStore:
             self._index.recover_disk(records)
         self._index.recover_host(adopted)
         self._leases = LeaseTable()
-        self._capacity = Capacity(self._index, mover, layout, admission)
-        self._loads = Loads(self._index, self._capacity, mover, layout, self._lock, prefetch_hold)
-        remote = ClusterCopies(self._index, self._capacity, self._loads, mover, self._lock) if cluster else None
-        self._writes = Writes(self._index, self._leases, self._capacity, self._loads, mover, layout, self._lock,
+        self._capacity = Capacity(self._index, ports, layout, admission)
+        self._loads = Loads(self._index, self._capacity, ports, layout, self._lock, prefetch_hold)
+        remote = ClusterCopies(self._index, self._capacity, self._loads, ports.remote, self._lock) if self.cluster else None
+        self._writes = Writes(self._index, self._leases, self._capacity, self._loads, ports, layout, self._lock,
                               write_through=write_through, cluster=remote, cluster_write=self.cluster_write)
-        self._reads = Reads(self._index, self._leases, self._loads, mover, self._lock, self._writes.run, remote)
-        self._mover = mover
+        self._reads = Reads(self._index, self._leases, self._loads, ports, self._lock, self._writes.run, remote)
+        self._ports = ports
 
     # -- read-only views, for invariants and tests ----------------------------
     @property
@@ -287,7 +287,7 @@ class BlockStore:
         Slots that change holder are populated after the lock is released."""
         grant, given = self._writes.run(lambda: self._writes.borrow(session, namespace, n))
         if given:
-            self._mover.populate_host(given, namespace)
+            self._ports.host.populate(given, namespace)
         return grant
 
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None,

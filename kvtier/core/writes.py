@@ -3,7 +3,7 @@
 A disk write goes in three steps. Under the lock, `Capacity.prepare` marks each host copy
 `saved` (protected: readable and acquirable, never a victim, never dropped), makes disk
 room and takes a disk slot per page (`writing` on disk, counted for its namespace). With
-the lock released, the mover stores the batch (`write`). Under the lock again,
+the lock released, the disk port stores the batch (`write`). Under the lock again,
 `Capacity.file` files the disk copies, or on an OSError frees the slots and counts
 `io_errors` (the pages stay host-only). Until then the disk index does not name the new
 pages.
@@ -41,7 +41,7 @@ from kvtier.core.cluster import ClusterCopies
 from kvtier.core.index import Block, BlockIndex, Copy, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind, LeaseTable
 from kvtier.core.loads import Loads
-from kvtier.core.ports import PageMover, PageRecord
+from kvtier.core.ports import Mechanism, PageRecord
 from kvtier.core.results import CommitOutcome, WriteGrant
 from kvtier.policy import Ref
 
@@ -79,14 +79,14 @@ class ClusterWrite(str, enum.Enum):
 
 
 class Writes:
-    def __init__(self, index: BlockIndex, leases: LeaseTable, capacity: Capacity, loads: Loads, mover: PageMover,
+    def __init__(self, index: BlockIndex, leases: LeaseTable, capacity: Capacity, loads: Loads, ports: Mechanism,
                  layout: PageLayout, lock: threading.RLock, *, write_through: bool,
                  cluster: ClusterCopies | None, cluster_write: ClusterWrite) -> None:
         self.index = index
         self.leases = leases
         self.capacity = capacity
         self.loads = loads
-        self.mover = mover
+        self.ports = ports
         self.layout = layout
         self.write_through = write_through and Tier.DISK in index.tiers
         self.cluster = cluster
@@ -117,7 +117,7 @@ class Writes:
                     finally:
                         forgets, staged = self.capacity.take_forgets(), self.capacity.take_staged()
             finally:
-                self.mover.publish_host(staged)
+                self.ports.host.publish(staged)
                 self.loads.forget(forgets)
             if batch:
                 self.write(batch)
@@ -154,7 +154,7 @@ class Writes:
             to_cluster = fresh and self.cluster_write is ClusterWrite.COMMIT
             if to_cluster:
                 self.cluster.hold(fresh)
-        self.mover.publish_host(staged)  # hashed here, before the engine hears back
+        self.ports.host.publish(staged)  # hashed here, before the engine hears back
         self.loads.forget(forgets)
         if to_cluster:
             self.cluster.write(fresh)
@@ -210,7 +210,7 @@ class Writes:
         for slot in lease.slots[len(keys) :]:
             host.slots.free(slot)
         self.leases.close(lease)
-        staged = self.mover.stage_host([b.entry(Tier.HOST) for b in fresh])
+        staged = self.ports.host.stage([b.entry(Tier.HOST) for b in fresh])
         self.want_write_back()  # new dirty pages: the clean reserve may need them later
         return CommitOutcome(lease_id, len(fresh), tuple(duplicates)), fresh, staged
 
@@ -221,7 +221,7 @@ class Writes:
         cluster are copied for it too, while the batch still protects them."""
         stored = None
         try:
-            stored = self.mover.store(batch.moves)
+            stored = self.ports.disk.store(batch.moves)
             if self.cluster_write is ClusterWrite.DEMOTE:
                 self.cluster.copy_demoted([block for block, _ in batch.entries])
         except OSError:

@@ -1,10 +1,14 @@
-"""Page movement between the device arena, the host arena and the disk tier, by slot
-number. No decisions.
+"""The core's ports (kvtier.core.ports) over real tiers, by slot number. No decisions.
 
-`ArenaMover` implements the core's `PageMover` port (kvtier.core.ports) with real bytes.
-Disk and cluster loads, cluster writes and promotions to the device are asynchronous
-(`on_done` reports the result); disk stores and demotions from the device are synchronous
-batches; asking the cluster which keys it holds is a synchronous round trip.
+    host    the HostArena itself
+    disk    DiskPages: host slots <-> the disk tier's slab (stores synchronous, loads on
+            the DiskReader's workers)
+    remote  ClusterPages: what the cluster holds (a synchronous round trip), loads on the
+            ClusterReader's workers, writes through the ClusterWriter
+    device  DevicePages: promotions on the copy engine (asynchronous), demotions synchronous
+
+A lower tier's codec (how a page's bytes are encoded there; identity today) lives behind
+its port: the disk tier seals what it writes, the cluster tier its values.
 """
 from __future__ import annotations
 
@@ -12,14 +16,48 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kvtier_client.ids import SessionId, Slot
-from kvtier_client.tiers import Tier
 
-from kvtier.core.ports import PageRecord, LoadJob
+from kvtier.core.ports import LoadJob, Mechanism, PageRecord
 from kvtier.mechanism.cluster import ClusterTier, ClusterWriter
 from kvtier.mechanism.device import CopyEngine, Transfer
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, PageReader
+
+
+class _Source:
+    """A port's loads, on its reader's workers."""
+
+    def __init__(self, reader: PageReader) -> None:
+        self.reader = reader
+
+    def load(self, job: LoadJob) -> None:
+        self.reader.submit(job)
+
+    def prefetch_room(self) -> int:
+        return self.reader.prefetch_room()
+
+    def boost(self, job: LoadJob) -> None:
+        self.reader.boost(job)
+
+    def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
+        return self.reader.cancel(session, cancellable)
+
+
+class DiskPages(_Source):
+    def __init__(self, host: HostArena, disk: DiskTier, reader: DiskReader) -> None:
+        super().__init__(reader)
+        self.host = host
+        self.disk = disk
+
+    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
+        """Host pages to disk, each with the checksum it was published with (hashed once)."""
+        host = self.host
+        return self.disk.write_pages([(_with_checksum(record, host.checksum(slot), host.page_bytes), host.view(slot))
+                                      for slot, record in moves])
+
+    def forget(self, records: Iterable[PageRecord]) -> None:
+        self.disk.forget(records)
 
 
 class ClusterParts:
@@ -31,100 +69,52 @@ class ClusterParts:
         self.writer = writer
 
 
-class ArenaMover:
-    """The core's PageMover: bytes between a HostArena and, where configured, a DiskTier
-    (with its DiskReader), a device arena (with its CopyEngine) and a cluster tier."""
-
-    def __init__(self, host: HostArena, disk: DiskTier | None, reader: DiskReader | None,
-                 copies: CopyEngine | None = None, cluster: ClusterParts | None = None) -> None:
+class ClusterPages(_Source):
+    def __init__(self, host: HostArena, cluster: ClusterParts) -> None:
+        super().__init__(cluster.reader)
         self.host = host
-        self.disk = disk
-        self.reader = reader
-        self.copies = copies
         self.cluster = cluster
 
-    def give_host(self, slot: Slot, namespace: str) -> None:
-        self.host.give(slot, namespace)
+    def present(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return self.cluster.tier.present(namespace, keys)
 
-    def _disk(self) -> DiskTier:
-        if self.disk is None:
-            raise RuntimeError("no disk tier configured: the core must not move pages to disk")
-        return self.disk
-
-    def populate_host(self, slots: Sequence[Slot], namespace: str) -> None:
-        self.host.populate(slots, namespace)
-
-    def stage_host(self, records: Sequence[PageRecord]) -> list[PageRecord]:
-        return self.host.stage(records)
-
-    def publish_host(self, records: Sequence[PageRecord]) -> None:
-        self.host.publish(records)
-
-    def unpublish_host(self, slots: Sequence[Slot]) -> None:
-        self.host.unpublish(slots)
-
-    def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
-        """Host pages to disk, each with the checksum it was published with (hashed once)."""
-        host = self.host
-        return self._disk().write_pages([(_with_checksum(record, host.checksum(slot), host.page_bytes), host.view(slot))
-                                         for slot, record in moves])
-
-    def _source(self, source: Tier) -> PageReader | None:
-        if source is Tier.CLUSTER:
-            return self.cluster.reader if self.cluster is not None else None
-        return self.reader
-
-    def _reader_of(self, source: Tier) -> PageReader:
-        reader = self._source(source)
-        if reader is None:
-            raise RuntimeError(f"no {source.label} tier configured: the core must not load pages from it")
-        return reader
-
-    def load(self, job: LoadJob) -> None:
-        self._reader_of(job.source).submit(job)
-
-    def prefetch_room(self, source: Tier = Tier.DISK) -> int:
-        reader = self._source(source)
-        return reader.prefetch_room() if reader is not None else 0
-
-    def boost(self, job: LoadJob) -> None:
-        self._reader_of(job.source).boost(job)
-
-    def cancel(self, session: SessionId | None, cancellable: Callable[[LoadJob], bool]) -> list[LoadJob]:
-        readers = [r for r in (self._source(Tier.DISK), self._source(Tier.CLUSTER)) if r is not None]
-        return [job for reader in readers for job in reader.cancel(session, cancellable)]
-
-    def remote_present(self, namespace: str, keys: Sequence[bytes]) -> int:
-        return self.cluster.tier.present(namespace, keys) if self.cluster is not None else 0
-
-    def remote_write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
-                     on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
-        writer = self.cluster.writer if self.cluster is not None else None
+    def write(self, namespace: str, pages: Sequence[tuple[bytes, Slot]],
+              on_done: Callable[[list[bool]], None], *, copy: bool = False) -> bool:
+        writer = self.cluster.writer
         if writer is None:
             return False
         if copy:
             pages = [(key, bytes(self.host.view(slot))) for key, slot in pages]
         return writer.offer(namespace, pages, on_done)
 
-    def forget(self, records: Iterable[PageRecord]) -> None:
-        self._disk().forget(records)
 
-    def _copies(self) -> CopyEngine:
-        if self.copies is None:
-            raise RuntimeError("no device tier configured: the core must not move pages to a device")
-        return self.copies
+class DevicePages:
+    def __init__(self, copies: CopyEngine) -> None:
+        self.copies = copies
 
-    def give_device(self, slots: Sequence[Slot], namespace: str) -> None:
-        self._copies().device.give(slots, namespace)
+    def give(self, slots: Sequence[Slot], namespace: str) -> None:
+        self.copies.device.give(slots, namespace)
 
     def promote(self, pairs: Sequence[tuple[Slot, Slot]], on_done: Callable[[Transfer, bool], None]) -> Transfer:
-        return self._copies().promote(pairs, on_done)
+        return self.copies.promote(pairs, on_done)
 
     def marker(self) -> Transfer:
-        return self._copies().marker()
+        return self.copies.marker()
 
     def demote(self, pairs: Sequence[tuple[Slot, Slot]]) -> None:
-        self._copies().demote(pairs)
+        self.copies.demote(pairs)
+
+
+def arena_ports(host: HostArena, disk: DiskTier | None = None, reader: DiskReader | None = None,
+                copies: CopyEngine | None = None, cluster: ClusterParts | None = None) -> Mechanism:
+    """The ports of a pool's tiers: a disk port where it has a disk tier (with its reader),
+    a device port where it has a copy engine, a remote port where it has a cluster tier."""
+    return Mechanism(
+        host,
+        DiskPages(host, disk, reader) if disk is not None and reader is not None else None,
+        ClusterPages(host, cluster) if cluster is not None else None,
+        DevicePages(copies) if copies is not None else None,
+    )
 
 
 def _with_checksum(record: PageRecord, checksum: int | None, length: int) -> PageRecord:

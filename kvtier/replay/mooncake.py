@@ -21,7 +21,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import bookkeeping_ports
 from kvtier.policy import POLICIES, AdmissionName, EvictionPolicy, PolicyName, Ref, make_admission
 from kvtier.policy.admission import DEFAULT_THRESHOLD
 
@@ -183,7 +183,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
     spent = [0.0]
     make = POLICIES[PolicyName(policy)]
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
-                       mover=BookkeepingMover(_LAYOUT.page_bytes), policy=lambda pages: TimedPolicy(make(pages), spent),
+                       ports=bookkeeping_ports(_LAYOUT.page_bytes), policy=lambda pages: TimedPolicy(make(pages), spent),
                        admission=make_admission(admission, host_pages, disk_pages, admission_threshold), prefetch_hold=0.0)
     read_into = Tier.DEVICE if device_pages else Tier.HOST
     n_requests = 0

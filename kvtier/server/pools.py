@@ -31,7 +31,7 @@ from kvtier.mechanism.disk import DiskLayoutMismatch, DiskTier
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, WriteBackThread
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
-from kvtier.mechanism.mover import ArenaMover, ClusterParts
+from kvtier.mechanism.mover import ClusterParts, arena_ports
 from kvtier.mechanism.seal import Sealer
 from kvtier.policy import POLICIES, PolicyName, make_admission
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
@@ -129,8 +129,7 @@ class Pool:
                 host_pages=host_pages,
                 disk_pages=disk_pages,
                 device_pages=device_pages,
-                mover=ArenaMover(self.host, self.disk, self.reader, self.copies, self.cluster),
-                cluster=self.cluster is not None,
+                ports=arena_ports(self.host, self.disk, self.reader, self.copies, self.cluster),
                 cluster_write=cluster.write if self.cluster is not None else ClusterWrite.OFF,
                 policy=POLICIES[PolicyName(config.policy)],
                 admission=make_admission(config.disk_admission, host_pages, disk_pages, config.disk_admission_threshold)

@@ -11,7 +11,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingDisk, bookkeeping_ports
 from kvtier.events.records import EventKind, coalesce
 from kvtier.events.sink import PoolEvents
 
@@ -25,7 +25,7 @@ def tokens(i: int) -> tuple[int, ...]:
     return tuple(range(i * 4, i * 4 + 4))
 
 
-class CorruptMover(BookkeepingMover):
+class CorruptMover(BookkeepingDisk):
     """Every disk page fails its checksum when loaded."""
 
     def load(self, job) -> None:
@@ -38,7 +38,7 @@ def sink(capacity: int = 1000) -> PoolEvents:
 
 def store(host: int = 4, disk: int = 0, device: int = 0, mover=None, **kw) -> tuple[BlockStore, PoolEvents]:
     s = BlockStore(LAYOUT, host_pages=host, disk_pages=disk, device_pages=device,
-                   mover=mover or BookkeepingMover(LAYOUT.page_bytes), prefetch_hold=0.0, **kw)
+                   ports=bookkeeping_ports(LAYOUT.page_bytes, disk=mover), prefetch_hold=0.0, **kw)
     s.events = sink()
     return s, s.events
 

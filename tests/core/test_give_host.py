@@ -6,24 +6,23 @@ from kvtier_client.ids import Slot
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingHost, bookkeeping_ports
 from kvtier.replay.mooncake import _LAYOUT
 
 S = "session"
 
 
-class GivingMover(BookkeepingMover):
+class GivingHost(BookkeepingHost):
     def __init__(self) -> None:
-        super().__init__(_LAYOUT.page_bytes)
         self.given: list[tuple[Slot, str]] = []
 
-    def give_host(self, slot: Slot, namespace: str) -> None:
+    def give(self, slot: Slot, namespace: str) -> None:
         self.given.append((slot, namespace))
 
 
-def store(**tiers) -> tuple[BlockStore, GivingMover]:
-    mover = GivingMover()
-    return BlockStore(_LAYOUT, mover=mover, prefetch_hold=0.0, **tiers), mover
+def store(**tiers) -> tuple[BlockStore, GivingHost]:
+    host = GivingHost()
+    return BlockStore(_LAYOUT, ports=bookkeeping_ports(_LAYOUT.page_bytes, host=host), prefetch_hold=0.0, **tiers), host
 
 
 def put(s: BlockStore, ns: str, *keys: bytes) -> list[Slot]:

@@ -12,7 +12,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockState, BlockStore, MissReason
 from kvtier.core.history import ENTRY_BYTES, MissHistory
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingDisk, bookkeeping_ports
 from kvtier.core.invariants import check_invariants
 from kvtier.core.ports import LoadJob
 from kvtier.replay.mooncake import _LAYOUT
@@ -20,7 +20,7 @@ from kvtier.replay.mooncake import _LAYOUT
 NS, S = "ns", "session"
 
 
-class RottenMover(BookkeepingMover):
+class RottenMover(BookkeepingDisk):
     """Disk pages whose key is in `rotten` fail their checksum on load."""
 
     def __init__(self) -> None:
@@ -32,7 +32,8 @@ class RottenMover(BookkeepingMover):
 
 
 def store(host: int = 2, disk: int = 0, **kw) -> BlockStore:
-    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, mover=RottenMover(), prefetch_hold=0.0, **kw)
+    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, ports=bookkeeping_ports(_LAYOUT.page_bytes, disk=RottenMover()),
+                      prefetch_hold=0.0, **kw)
 
 
 def put(s: BlockStore, *keys: bytes, ns: str = NS, parent: bytes | None = None) -> None:
@@ -117,7 +118,7 @@ def test_a_page_dropped_for_its_checksum_is_corrupt():
     s = store(host=1, disk=2)
     put(s, b"a")
     put(s, b"b")  # a to disk
-    s._mover.rotten.add(b"a")
+    s._ports.disk.rotten.add(b"a")
     with pytest.raises(NotFound, match="checksum"):
         s.acquire(S, NS, [b"a"])
     check_invariants(s)

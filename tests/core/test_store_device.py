@@ -12,14 +12,14 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.invariants import check_invariants
 from kvtier.core.store import BlockStore
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingDevice, bookkeeping_ports
 from kvtier.replay.mooncake import _LAYOUT
 
 NS, S = "ns", "session"
 
 
 def store(device: int = 2, host: int = 3, disk: int = 4) -> BlockStore:
-    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, mover=BookkeepingMover(_LAYOUT.page_bytes),
+    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, ports=bookkeeping_ports(_LAYOUT.page_bytes),
                       prefetch_hold=0.0)
 
 
@@ -146,17 +146,16 @@ def test_making_device_room_keeps_the_host_copies_of_co_victims():
     check_invariants(s)
 
 
-class GivingMover(BookkeepingMover):
-    """The replay's mover, also noting every device give and promotion in order; its
+class GivingMover(BookkeepingDevice):
+    """The replay's device port, also noting every device give and promotion in order; its
     device may have no memory left to give (`no_memory`), as a GPU whose old holders'
     processes keep what they mapped."""
 
     def __init__(self) -> None:
-        super().__init__(_LAYOUT.page_bytes)
         self.calls: list[tuple] = []
         self.no_memory = False
 
-    def give_device(self, slots, namespace):
+    def give(self, slots, namespace):
         if self.no_memory:
             raise CapacityError("GPU has no memory for a device page passing to another namespace")
         self.calls.append(("give", tuple(slots), namespace))
@@ -168,7 +167,8 @@ class GivingMover(BookkeepingMover):
 
 def giving_store() -> tuple[BlockStore, GivingMover]:
     mover = GivingMover()
-    return BlockStore(_LAYOUT, host_pages=4, device_pages=2, mover=mover, prefetch_hold=0.0), mover
+    return BlockStore(_LAYOUT, host_pages=4, device_pages=2, ports=bookkeeping_ports(_LAYOUT.page_bytes, device=mover),
+                      prefetch_hold=0.0), mover
 
 
 def test_a_promotion_gives_its_device_slots_to_the_namespace_before_copying():

@@ -16,7 +16,7 @@ from kvtier_client.errors import CapacityError
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore, Quota
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import bookkeeping_ports
 from kvtier.core.invariants import check_guarantees_kept, check_invariants, check_quotas_kept
 from kvtier.policy import LRUPolicy, PrefixLRUPolicy
 from kvtier.replay.mooncake import _LAYOUT
@@ -26,7 +26,7 @@ S = "session"
 
 def store(host: int = 4, disk: int = 0, device: int = 0, policy=LRUPolicy, **kw) -> BlockStore:
     return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, device_pages=device, policy=policy,
-                      mover=BookkeepingMover(_LAYOUT.page_bytes), prefetch_hold=0.0, **kw)
+                      ports=bookkeeping_ports(_LAYOUT.page_bytes), prefetch_hold=0.0, **kw)
 
 
 def put(s: BlockStore, ns: str, *keys: bytes) -> None:
@@ -152,7 +152,7 @@ def test_a_prefetch_at_its_quota_just_stops():
     put(s, "B", k("b1"), k("b2"))  # A's pages go to disk
     s.set_quotas({"A": Quota(max_host_pages=1)})
     read = s.acquire(S, "A", [k("a1")])  # A's one page, pinned
-    s._mover.prefetch_room = lambda source: 10  # the bookkeeping mover takes prefetches here
+    s._ports.disk.prefetch_room = lambda: 10  # the bookkeeping disk takes prefetches here
     assert s.prefetch(S, "A", [k("a2")]) == 0
     s.release(S, read.lease_id)
     check_invariants(s)

@@ -9,7 +9,7 @@ import pytest
 from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore, Quota, clean_reserve
-from kvtier.core.bookkeeping import BookkeepingMover
+from kvtier.core.bookkeeping import BookkeepingDisk, bookkeeping_ports
 from kvtier.core.invariants import check_invariants, check_quotas_kept
 from kvtier.policy import ReuseAdmission
 from kvtier.replay.mooncake import _LAYOUT
@@ -18,7 +18,7 @@ S = "session"
 WAIT = 10
 
 
-class GatedMover(BookkeepingMover):
+class GatedMover(BookkeepingDisk):
     """The bookkeeping mover, counting stores; while `gate` is closed a store waits at it
     (`entered` is set when one does), and `fail` makes stores raise OSError."""
 
@@ -40,7 +40,8 @@ class GatedMover(BookkeepingMover):
 
 
 def store(mover: GatedMover, host: int = 2, disk: int = 4, **kw) -> BlockStore:
-    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, mover=mover, prefetch_hold=0.0, **kw)
+    return BlockStore(_LAYOUT, host_pages=host, disk_pages=disk, ports=bookkeeping_ports(_LAYOUT.page_bytes, disk=mover),
+                      prefetch_hold=0.0, **kw)
 
 
 def put(s: BlockStore, ns: str, *keys: bytes) -> None:

@@ -3,7 +3,7 @@ disk writes never stall another's host hits.
 
 The store runs on the daemon's real parts, built as a pool builds them: a HostArena (slots
 given to namespaces through the core), a DiskTier in a temporary directory, its
-DiskReader, the ArenaMover and the write-back thread. Two properties, checked without
+DiskReader, their ports (kvtier.mechanism.mover) and the write-back thread. Two properties, checked without
 timing:
 
 - every disk write and index deletion (`store`, `forget`) runs on a thread that does not
@@ -25,7 +25,7 @@ from kvtier.core.invariants import check_invariants
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 from kvtier.mechanism.io import DiskReader, WriteBackThread
-from kvtier.mechanism.mover import ArenaMover
+from kvtier.mechanism.mover import arena_ports
 
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)
 WAIT = 10
@@ -47,18 +47,19 @@ class GatedDiskTier(DiskTier):
 
 
 class Rig:
-    """A store on real tiers; `calls` records (mover method, lock held by the caller)."""
+    """A store on real tiers; `calls` records (disk port method, lock held by the caller)."""
 
     def __init__(self, prefix: str, directory: str, *, host: int, disk: int, write_through: bool,
                  write_back: bool = False) -> None:
         self.host = HostArena(f"{prefix}-io", LAYOUT, host)
         self.disk = GatedDiskTier(directory, LAYOUT, disk, fsync="never")
         self.reader = DiskReader(self.disk, self.host, depth=2)
-        self.mover = ArenaMover(self.host, self.disk, self.reader)
-        self.store = BlockStore(LAYOUT, host_pages=host, disk_pages=disk, mover=self.mover,
+        self.ports = arena_ports(self.host, self.disk, self.reader)
+        self.mover = self.ports.disk
+        self.store = BlockStore(LAYOUT, host_pages=host, disk_pages=disk, ports=self.ports,
                                 write_through=write_through, prefetch_hold=0.0)
         self.calls: list[tuple[str, bool]] = []
-        for name in ("store", "forget", "demote"):
+        for name in ("store", "forget"):
             self._spy(name)
         self.thread = None
         if write_back:
