@@ -16,7 +16,7 @@ from kvtier_client.connection import Connection, TLSConfig
 from kvtier_client.errors import KVTierError, Unavailable
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, block_keys
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.results import BlockExplanation, BlockReason, Explanation, hashing
+from kvtier_client.results import BlockExplanation, BlockReason, Explanation, MissReason, hashing
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -149,8 +149,8 @@ def _human_bytes(n: float) -> str:
 _TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk", pb.TIER_CLUSTER: "cluster"}
 
 
-_MISS_REASONS = (("never_stored", "never stored"), ("evicted", "evicted"), ("corrupt", "corrupt"),
-                 ("beyond_prefix", "beyond prefix"))
+#: (key of NamespaceStats.misses, its label): "never_stored" reads "never stored".
+_MISS_REASONS = tuple((r.value, r.value.replace("_", " ")) for r in MissReason)
 
 
 def _misses(ns: pb.NamespaceStats) -> str:

@@ -156,26 +156,37 @@ class Stats:
         return next((p for p in self.pools if p.pool_id == pool_id), None)
 
 
-class BlockReason(enum.Enum):
-    """Why a block is or is not served: its state in the daemon (Explain). The miss reasons
-    carry the names Stats counts misses under."""
+class MissReason(str, enum.Enum):
+    """Why a looked-up block was not part of the hit prefix: the names Stats counts misses
+    under (NamespaceStats.misses) and Explain's miss states. The one definition: the daemon's
+    core records and counts these same members."""
 
-    CACHED = "cached"  # in `tier`, part of the longest cached prefix
     NEVER_STORED = "never_stored"  # no record in this namespace and layout (or too old to remember)
-    EVICTED = "evicted"  # evicted from `tier` by `policy`, `seconds_ago`
-    CORRUPT = "corrupt"  # dropped from `tier` after failing its checksum
-    OTHER_LAYOUT = "other_layout"  # cached in another pool (page layout): `pool_id`
+    EVICTED = "evicted"  # its last copy was evicted (from `tier` by `policy`, `seconds_ago`)
+    CORRUPT = "corrupt"  # its last copy failed its checksum and was dropped (from `tier`)
     BEYOND_PREFIX = "beyond_prefix"  # cached in `tier`, but after a block that is not
 
 
-_REASONS = {
-    pb.BLOCK_CACHED: BlockReason.CACHED,
-    pb.BLOCK_NEVER_STORED: BlockReason.NEVER_STORED,
-    pb.BLOCK_EVICTED: BlockReason.EVICTED,
-    pb.BLOCK_CORRUPT: BlockReason.CORRUPT,
-    pb.BLOCK_OTHER_LAYOUT: BlockReason.OTHER_LAYOUT,
-    pb.BLOCK_BEYOND_PREFIX: BlockReason.BEYOND_PREFIX,
+#: Why a block is or is not served: its state in the daemon (Explain). CACHED (in `tier`,
+#: part of the longest cached prefix), each MissReason under its own name and value, and
+#: OTHER_LAYOUT (cached in another pool, i.e. page layout, of the namespace: `pool_id`;
+#: only Explain across pools finds it).
+BlockReason = enum.Enum(
+    "BlockReason",
+    [("CACHED", "cached"), *((r.name, r.value) for r in MissReason), ("OTHER_LAYOUT", "other_layout")],
+    module=__name__, qualname="BlockReason",
+)
+
+#: Each BlockReason's kvtier.v1.BlockState (the proto's numbering): the one table, both ways.
+BLOCK_STATES = {
+    BlockReason.CACHED: pb.BLOCK_CACHED,
+    BlockReason.NEVER_STORED: pb.BLOCK_NEVER_STORED,
+    BlockReason.EVICTED: pb.BLOCK_EVICTED,
+    BlockReason.CORRUPT: pb.BLOCK_CORRUPT,
+    BlockReason.OTHER_LAYOUT: pb.BLOCK_OTHER_LAYOUT,
+    BlockReason.BEYOND_PREFIX: pb.BLOCK_BEYOND_PREFIX,
 }
+_REASONS = {state: reason for reason, state in BLOCK_STATES.items()}
 
 
 @dataclass(frozen=True)

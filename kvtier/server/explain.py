@@ -14,19 +14,12 @@ from collections.abc import Sequence
 
 from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.results import hashing
+from kvtier_client.results import BLOCK_STATES, hashing
 from kvtier_client.wire import tier_to_proto
 
 from kvtier.core import BlockState, BlockStatus, Explanation, check_keys
 from kvtier.server.pools import Pool, PoolRegistry
 
-_STATES = {
-    BlockState.CACHED: pb.BLOCK_CACHED,
-    BlockState.NEVER_STORED: pb.BLOCK_NEVER_STORED,
-    BlockState.EVICTED: pb.BLOCK_EVICTED,
-    BlockState.CORRUPT: pb.BLOCK_CORRUPT,
-    BlockState.BEYOND_PREFIX: pb.BLOCK_BEYOND_PREFIX,
-}
 #: States in which a pool holds the block's bytes now.
 _HELD = (BlockState.CACHED, BlockState.BEYOND_PREFIX)
 
@@ -84,7 +77,7 @@ def _block(status: BlockStatus, pool_id: str, answers: dict[str, Explanation]) -
                 return pb.BlockExplanation(index=status.index, state=pb.BLOCK_OTHER_LAYOUT,
                                            tier=tier_to_proto(held.tier), pool_id=other_id)
     return pb.BlockExplanation(
-        index=status.index, state=_STATES[status.state],
+        index=status.index, state=BLOCK_STATES[status.state],
         tier=tier_to_proto(status.tier) if status.tier is not None else pb.TIER_UNSPECIFIED,
         seconds_ago=status.seconds_ago, policy=status.policy, pool_id=pool_id, own_pressure=status.own_pressure,
     )

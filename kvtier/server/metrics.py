@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.core import StoreUsage
+from kvtier.core import MissReason, StoreUsage
 from kvtier.events import EventStats
 from kvtier.mechanism.cluster import ClusterStats, FaultKind
 from kvtier.mechanism.io import IOStats, LoadKind
@@ -143,7 +143,7 @@ class _NamespaceCollector:
         evictions = CounterMetricFamily("kvtier_namespace_evictions", "A namespace's copies evicted from a tier.",
                                         labels=labels)
         misses = CounterMetricFamily(
-            "kvtier_misses", "Looked-up blocks not served, by reason: never_stored, evicted, corrupt, beyond_prefix.",
+            "kvtier_misses", f"Looked-up blocks not served, by reason: {', '.join(r.value for r in MissReason)}.",
             labels=["pool", "namespace", "reason"],
         )
         for pool, stats in self._snapshot():
