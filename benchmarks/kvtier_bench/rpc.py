@@ -21,7 +21,7 @@ The calls:
     Commit+Borrow     commit 64 fresh keys and borrow the next 64      lane: 2 frames, 1 round trip
                       (commit_and_borrow, an engine's steady state)     gRPC: 2 calls
     acquire_prefix    acquire_prefix(64 keys) then release             lane: 1 round trip + 1 send
-                                                                        gRPC: Lookup + Acquire + Release
+                                                                        gRPC: AcquirePrefix + Release
 
 Transports take turns in blocks of calls (lane, gRPC, stubs, raw echo, gRPC echo, lane, ...)
 so that a noisy neighbour slows them alike. The servers are real subprocesses (`kvtier
@@ -186,11 +186,11 @@ def _calls(lane: KVTierClient, slow: KVTierClient, stub, stub_meta, echo: Seqpac
         return run
 
     calls.append(Call("acquire_prefix", f"acquire_prefix ({n} pages)",
-                      "acquire_prefix(keys), release(lease); gRPC: Lookup + Acquire + Release", {
+                      "acquire_prefix(keys), release(lease); gRPC: AcquirePrefix + Release", {
                           "lane": prefix(lane),
                           "grpc": prefix(slow),
                           "echo": exchange(_sizes(m_prefix), _sizes(m_release)),
-                          "grpc_echo": echo_calls(3),
+                          "grpc_echo": echo_calls(2),
                       }, _describe([m_prefix, m_release])))
 
     # Commit + Borrow, the steady state of an engine writing blocks (fresh keys every call)
