@@ -5,9 +5,10 @@ For each page size (default 2 MiB pages, 32 per call, and 64 KiB pages, 64 per c
 each number of processes P (default 1, 2, 4), over a working set split evenly between them:
 
     op          kvtier, through a `kvtier serve` subprocess     baseline, the same P processes
-    put         borrow(n), np.copyto each engine page into the   np.copyto the same engine pages
-                lease's page view (the worker's mapping of the   into a private numpy buffer of
-                daemon's shared memory), commit under new keys   their share, page by page
+    put         borrow(n), lease.write each engine page into     np.copyto the same engine pages
+                its page (the worker's mapping of the daemon's   into a private numpy buffer of
+                shared memory; a copy that hashes as it goes),   their share, page by page
+                commit under new keys with the checksums
     get         acquire(n keys), np.copyto each page view into   np.copyto from that buffer into
                 the engine's sink, release                       the same sink
     first fill  1 process puts the whole working set into a      np.copyto into a freshly
@@ -123,8 +124,8 @@ def _serve(target: str, index: int, page_bytes: int, per_call: int, ring: int) -
                 parent = None
                 for start, n in calls:
                     lease = client.borrow(n)
-                    for j, page in enumerate(lease.pages):
-                        np.copyto(raw(page), engine[(start + j) % ring])
+                    for j in range(n):  # a copy that hashes as it goes (what engines are told to use)
+                        lease.write(j, engine[(start + j) % ring])
                     client.commit(lease, keys[start:start + n], parent=parent)
                     parent = keys[start + n - 1]
 

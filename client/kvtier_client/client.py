@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
@@ -435,7 +436,8 @@ class KVTierClient:
         the blocks' token ids, `block_tokens` per key in key order; the daemon only carries
         them in its KV events, for routers that match prompts by token (docs/events.md)."""
         ids = self._token_ids(keys, token_ids)
-        result = self._for_lease(lease, lambda s: s.path.commit(lease.lease_id, keys, parent, ids))
+        result = self._for_lease(
+            lease, lambda s: s.path.commit(lease.lease_id, keys, parent, ids, self._checksums(lease, len(keys))))
         lease.ended = True
         return result
 
@@ -448,13 +450,25 @@ class KVTierClient:
         the commit's result. `token_ids` as for `commit`."""
         ids = self._token_ids(keys, token_ids)
         try:
-            result, grant = self._for_lease(
-                lease, lambda s: s.path.commit_and_borrow(lease.lease_id, keys, parent, count, ids))
+            result, grant = self._for_lease(lease, lambda s: s.path.commit_and_borrow(
+                lease.lease_id, keys, parent, count, ids, self._checksums(lease, len(keys))))
         except BorrowAfterCommitError:
             lease.ended = True
             raise
         lease.ended = True
         return result, self._write_lease(lease.session, grant)
+
+    def _checksums(self, lease: WriteLease, count: int) -> array | None:
+        """The xxh3-64 of the first `count` pages of a lease: those `WriteLease.write`
+        hashed as it copied them, the others hashed here, in the mapping the engine wrote
+        them through, so the daemon need not read them again. None without a mapping (the
+        gRPC slow path): the daemon hashes them."""
+        arena = lease.session.arena
+        if arena is None or lease.tier is not Tier.HOST or not isinstance(lease, WriteLease):
+            return None  # (a read lease: the daemon refuses its commit)
+        known = lease.checksums  # hashed by WriteLease.write as it copied
+        return array("Q", [known[i] if i in known else xxh3_64_intdigest(arena.raw(slot, writable=False))
+                           for i, slot in enumerate(lease.slots[:count])])
 
     def _token_ids(self, keys: Sequence[BlockKey], token_ids: Sequence[int] | np.ndarray | None) -> array | None:
         """A commit's token ids as u32s, checked before anything is sent, by the rule the

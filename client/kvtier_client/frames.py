@@ -33,6 +33,7 @@ HEADER = struct.Struct("<BBHI")
 NO_REPLY = 0x1
 #: Request flag: the blocks' token ids follow the key block (Commit only).
 TOKENS = 0x2
+CHECKSUMS = 0x4  # a commit carries each page's xxh3-64 after its token ids
 
 
 class Op(enum.IntEnum):
@@ -178,21 +179,32 @@ def borrow(seq: int, count: int) -> bytes:
 
 
 def commit(seq: int, lease_id: int, keys: Sequence[bytes], parent: bytes | None,
-           token_ids: Sequence[int] | None = None) -> bytes:
+           token_ids: Sequence[int] | None = None, checksums: Sequence[int] | None = None) -> bytes:
     """`token_ids`: the blocks' token ids, flat (u32 each), sent after the keys with the
-    TOKENS flag; None sends the frame as it was before token ids existed."""
+    TOKENS flag; `checksums`: each page's xxh3-64 (u64 each), after those, with the
+    CHECKSUMS flag. None sends the frame without them."""
     parent = parent or b""
     if len(parent) > 255:
         raise FrameError("a parent key on the lane is at most 255 bytes")
-    frame = header(Op.COMMIT, seq, 0 if token_ids is None else TOKENS) + _COMMIT.pack(lease_id, len(parent)) + parent
+    flags = (0 if token_ids is None else TOKENS) | (0 if checksums is None else CHECKSUMS)
+    frame = header(Op.COMMIT, seq, flags) + _COMMIT.pack(lease_id, len(parent)) + parent
     frame += pack_keys(keys)
     if token_ids is not None:
         frame += _U32.pack(len(token_ids)) + array("I", token_ids).tobytes()
+    if checksums is not None:
+        frame += _U32.pack(len(checksums)) + array("Q", checksums).tobytes()
     return frame
 
 
 def read_commit(flags: int, body: memoryview) -> tuple[int, bytes | None, list[bytes], array | None]:
-    """(lease id, parent, keys, token ids or None)"""
+    """(lease id, parent, keys, token ids or None); `read_commit_checksums` also returns
+    the pages' checksums."""
+    return read_commit_checksums(flags, body)[:4]
+
+
+def read_commit_checksums(flags: int, body: memoryview) -> tuple[int, bytes | None, list[bytes], array | None,
+                                                                  array | None]:
+    """(lease id, parent, keys, token ids or None, checksums or None)"""
     if len(body) < _COMMIT.size:
         raise FrameError("a commit starts with the lease id and the parent's length")
     lease_id, parent_len = _COMMIT.unpack_from(body)
@@ -210,8 +222,19 @@ def read_commit(flags: int, body: memoryview) -> tuple[int, bytes | None, list[b
         token_ids = array("I")
         token_ids.frombytes(body[at:end])
         at = end
+    checksums = None
+    if flags & CHECKSUMS:
+        if len(body) < at + 4:
+            raise FrameError("a commit with the CHECKSUMS flag needs the checksum count after its keys")
+        (count,) = _U32.unpack_from(body, at)
+        at, end = at + 4, at + 4 + 8 * count
+        if len(body) < end:
+            raise FrameError(f"a commit's {count} checksums are cut short")
+        checksums = array("Q")
+        checksums.frombytes(body[at:end])
+        at = end
     done(body, at)
-    return lease_id, parent, keys, token_ids
+    return lease_id, parent, keys, token_ids, checksums
 
 
 def acquire(seq: int, keys: Sequence[bytes], tier: int, wait: int, deadline_ms: int, *, prefix: bool = False) -> bytes:

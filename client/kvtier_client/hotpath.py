@@ -35,9 +35,10 @@ class HotPath(Protocol):
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult: ...
     def borrow(self, count: int) -> Granted: ...
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-               token_ids: array | None = None) -> CommitResult: ...
+               token_ids: array | None = None, checksums: array | None = None) -> CommitResult: ...
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]: ...
+                          count: int, token_ids: array | None = None,
+                          checksums: array | None = None) -> tuple[CommitResult, Granted]: ...
     def acquire(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int, timeout: float) -> Granted: ...
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]: ...
@@ -81,17 +82,18 @@ class GrpcPath:
         return _granted(reply.lease_id, reply.tier, reply.slots)
 
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-               token_ids: array | None = None) -> CommitResult:
+               token_ids: array | None = None, checksums: array | None = None) -> CommitResult:
         request = pb.CommitRequest(session_id=self._session_id, lease_id=lease_id, keys=list(keys),
-                                   token_ids=token_ids or ())
+                                   token_ids=token_ids or (), checksums=checksums or ())
         if parent is not None:
             request.parent = parent
         reply = self._call("Commit", request)
         return CommitResult(reply.committed, tuple(reply.duplicates))
 
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]:
-        result = self.commit(lease_id, keys, parent, token_ids)
+                          count: int, token_ids: array | None = None,
+                          checksums: array | None = None) -> tuple[CommitResult, Granted]:
+        result = self.commit(lease_id, keys, parent, token_ids, checksums)
         try:
             return result, self.borrow(count)
         except KVTierError as exc:
@@ -183,25 +185,26 @@ class LanePath:
         return self._grpc.borrow(count) if body is None else _lane_grant(frames.unpack_borrow(body))
 
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-               token_ids: array | None = None) -> CommitResult:
-        body = self._call(lambda: frames.commit(0, lease_id, keys, parent, token_ids))
+               token_ids: array | None = None, checksums: array | None = None) -> CommitResult:
+        body = self._call(lambda: frames.commit(0, lease_id, keys, parent, token_ids, checksums))
         if body is None:
-            return self._grpc.commit(lease_id, keys, parent, token_ids)
+            return self._grpc.commit(lease_id, keys, parent, token_ids, checksums)
         return CommitResult(*frames.unpack_commit(body))
 
     def commit_and_borrow(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
-                          count: int, token_ids: array | None = None) -> tuple[CommitResult, Granted]:
+                          count: int, token_ids: array | None = None,
+                          checksums: array | None = None) -> tuple[CommitResult, Granted]:
         """Both frames sent back to back: one round trip. A Commit refused raises its error
         (the Borrow granted with it is released); a Borrow refused after a Commit that
         happened raises BorrowAfterCommitError, which carries the commit's result."""
-        commit = self._encode(lambda: frames.commit(0, lease_id, keys, parent, token_ids))
+        commit = self._encode(lambda: frames.commit(0, lease_id, keys, parent, token_ids, checksums))
         if commit is None:
-            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids)
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids, checksums)
         try:
             committed, granted = self._lane.pipeline([commit, frames.borrow(0, count)])
         except LaneBroken as exc:
             log.info("kvtier: a call went over gRPC: %s", exc)
-            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids)
+            return self._grpc.commit_and_borrow(lease_id, keys, parent, count, token_ids, checksums)
         if isinstance(committed, KVTierError):
             if not isinstance(granted, KVTierError):
                 self.release(frames.unpack_borrow(granted).lease_id)

@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import xxhash
 
 from kvtier_client.device import CopyDone, DeviceArenaView
 from kvtier_client.errors import KVTierError
@@ -130,10 +131,40 @@ class Lease:
             log.warning("could not release lease %s while handling %s: %s", self.lease_id, exc_type.__name__, error)
 
 
+#: `WriteLease.write` copies and hashes a page this many bytes at a time, so each piece is
+#: hashed while it is still in the CPU's cache (one pass over memory, not two).
+WRITE_PIECE_BYTES = 256 * 1024
+
+
 class WriteLease(Lease):
-    """Free host pages to fill (from borrow). `commit` publishes them under block keys."""
+    """Free host pages to fill (from borrow). `commit` publishes them under block keys.
+
+    Fill a page with `write(i, data)` (a copy that also hashes the page as it goes, so
+    `commit` sends the daemon each page's checksum for free), or through its view in
+    `pages`/`tensors()` (then `commit` hashes the page itself, a second pass over it)."""
 
     _writable = True
+
+    def write(self, index: int, data) -> None:
+        """Copy `data` (page_bytes of anything numpy can view as bytes: an array, bytes, a
+        CPU tensor's .numpy()) into page `index`, hashing it on the way. Writing the page
+        again afterwards through its view makes its checksum stale: the page then fails
+        its next check (warm restart, a disk or cluster read) and is dropped, never served."""
+        page = self._arena().raw(self.slots[index], writable=True)
+        src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if src.nbytes != page.nbytes:
+            raise ValueError(f"page {index} holds {page.nbytes} bytes; got {src.nbytes}")
+        digest = xxhash.xxh3_64()
+        for at in range(0, page.nbytes, WRITE_PIECE_BYTES):
+            piece = page[at : at + WRITE_PIECE_BYTES]
+            np.copyto(piece, src[at : at + WRITE_PIECE_BYTES])
+            digest.update(piece)
+        self.checksums[index] = digest.intdigest()
+
+    @cached_property
+    def checksums(self) -> dict[int, int]:
+        """Checksums of the pages filled with `write`, by page index."""
+        return {}
 
     def commit(self, keys: Sequence[BlockKey], *, parent: BlockKey | None = None,
                token_ids: Sequence[int] | None = None) -> CommitResult:

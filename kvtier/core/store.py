@@ -291,7 +291,7 @@ class BlockStore:
         return grant
 
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None = None,
-               tokens: list[tuple[int, ...]] | None = None) -> CommitOutcome:
+               tokens: list[tuple[int, ...]] | None = None, checksums: list[int] | None = None) -> CommitOutcome:
         """Publish a write lease's pages: page i becomes the cached copy of keys[i].
 
         `parent` is the key of the block before keys[0] in its prefix, if there is one. Pages
@@ -300,8 +300,12 @@ class BlockStore:
         are hits (and protected) meanwhile, and on disk when the engine hears back.
         `tokens`, when given, are each key's block of token ids (`block_tokens` each): kvtier
         never reads them, it only carries them in its KV events for routers that hash tokens.
+        `checksums`, when given, are each page's xxh3-64 as the client wrote it: entered in
+        the slot table as they are (a wrong one loses that page at the next check of its
+        bytes: adoption, a disk or cluster read); without them the pages are hashed here,
+        after the lock is released.
         """
-        return self._writes.commit(session, lease_id, keys, parent, tokens)
+        return self._writes.commit(session, lease_id, keys, parent, tokens, checksums)
 
     # -- read path ------------------------------------------------------------
     def acquire(

@@ -29,6 +29,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from kvtier_client.errors import InvalidArgument
@@ -142,13 +143,15 @@ class Writes:
         return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots)), given
 
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
-               tokens: list[tuple[int, ...]] | None) -> CommitOutcome:
+               tokens: list[tuple[int, ...]] | None, checksums: list[int] | None = None) -> CommitOutcome:
         """Publish a write lease's pages (kvtier.core.store.BlockStore.commit says how);
         their hashing, cluster and write-through copies run after the lock is released."""
         if tokens is not None:
             self._check_tokens(keys, tokens)
+        if checksums is not None and len(checksums) != len(keys):
+            raise InvalidArgument(f"commit got {len(checksums)} checksums for {len(keys)} keys; pass one per key, or none")
         with self._lock:
-            outcome, fresh, staged = self._commit(session, lease_id, keys, parent, tokens)
+            outcome, fresh, staged = self._commit(session, lease_id, keys, parent, tokens, checksums)
             batch = self.capacity.prepare(fresh) if fresh and self.write_through else None
             forgets = self.capacity.take_forgets()
             to_cluster = fresh and self.cluster_write is ClusterWrite.COMMIT
@@ -172,7 +175,8 @@ class Writes:
                 raise InvalidArgument(f"block {i} has {len(block)} token ids; a page holds {per_block} tokens")
 
     def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
-                tokens: list[tuple[int, ...]] | None) -> tuple[CommitOutcome, list[Block], list[PageRecord]]:
+                tokens: list[tuple[int, ...]] | None,
+                checksums: list[int] | None) -> tuple[CommitOutcome, list[Block], list[PageRecord]]:
         lease = self.leases.get(session, lease_id, LeaseKind.WRITE)
         check_keys(keys)
         if parent is not None:
@@ -195,6 +199,8 @@ class Writes:
         prev: Ref | None = (ns, parent) if parent is not None else None
         duplicates: list[int] = []
         fresh: list[Block] = []
+        entries: list[PageRecord] = []
+        page_bytes = self.layout.page_bytes
         index.stop_writing(ns, lease.slots)
         for i, (slot, key) in enumerate(zip(lease.slots, keys)):
             ref = (ns, key)
@@ -205,12 +211,15 @@ class Writes:
                 if Tier.HOST in existing.copies:
                     host.policy.touch(ref)
             else:
-                fresh.append(index.add_block(ref, prev, Tier.HOST, Copy(slot), tokens[i] if tokens else None))
+                block = index.add_block(ref, prev, Tier.HOST, Copy(slot), tokens[i] if tokens else None)
+                fresh.append(block)
+                entry = block.entry(Tier.HOST)
+                entries.append(entry if checksums is None else replace(entry, length=page_bytes, checksum=checksums[i]))
             prev = ref
         for slot in lease.slots[len(keys) :]:
             host.slots.free(slot)
         self.leases.close(lease)
-        staged = self.ports.host.stage([b.entry(Tier.HOST) for b in fresh])
+        staged = self.ports.host.stage(entries)
         self.want_write_back()  # new dirty pages: the clean reserve may need them later
         return CommitOutcome(lease_id, len(fresh), tuple(duplicates)), fresh, staged
 

@@ -224,8 +224,8 @@ class Lane:
         return frames.reply(Op.BORROW, seq, frames.pack_borrow(grant.lease_id, tier_to_proto(grant.tier), grant.slots))
 
     def _commit(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
-        lease_id, parent, keys, token_ids = frames.read_commit(flags, body)
-        outcome = self._ops.commit(s, lease_id, keys, parent, token_ids or ())
+        lease_id, parent, keys, token_ids, checksums = frames.read_commit_checksums(flags, body)
+        outcome = self._ops.commit(s, lease_id, keys, parent, token_ids or (), checksums or ())
         return frames.reply(Op.COMMIT, seq, frames.pack_commit(outcome.committed, outcome.duplicates))
 
     def _acquire(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:

@@ -87,11 +87,13 @@ class HotOps:
         return grant
 
     def commit(self, session: Resolve, lease_id: int, keys: list[bytes], parent: bytes | None,
-               token_ids: Sequence[int] = ()) -> CommitOutcome:
-        """`token_ids`: the blocks' token ids, flat (block_tokens per key), or none."""
+               token_ids: Sequence[int] = (), checksums: Sequence[int] = ()) -> CommitOutcome:
+        """`token_ids`: the blocks' token ids, flat (block_tokens per key), or none;
+        `checksums`: each page's xxh3-64 as the client wrote it, or none."""
         s = session()
         tokens = split_tokens(token_ids, len(keys), s.pool.layout.block_tokens) if len(token_ids) else None
-        outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None, tokens)
+        outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None, tokens,
+                                      list(checksums) if len(checksums) else None)
         self.drain.lease_ended()
         return outcome
 

@@ -222,7 +222,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Commit(self, request, context) -> pb.CommitResponse:
         result = self.ops.commit(self._resolver(request.session_id, context), request.lease_id, list(request.keys),
-                                 request.parent or None, request.token_ids)
+                                 request.parent or None, request.token_ids, request.checksums)
         return pb.CommitResponse(committed=result.committed, duplicates=result.duplicates)
 
     @_rpc

@@ -189,18 +189,20 @@ class BorrowResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "lease_id", "keys", "parent", "token_ids")
+    __slots__ = ("session_id", "lease_id", "keys", "parent", "token_ids", "checksums")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "duplicates")
