@@ -209,7 +209,7 @@ class _HashSpy:
     """Stands for the `xxhash` module in host.py, disk.py and slottable.py: records each
     xxh3_64_intdigest, then calls the real one; anything else is the real module's."""
 
-    def __init__(self, spy: "ByteSpy") -> None:
+    def __init__(self, spy: ByteSpy) -> None:
         self._spy = spy
 
     def xxh3_64_intdigest(self, data, *args, **kwargs):
@@ -225,7 +225,7 @@ class _OsSpy:
     """Stands for the `os` module in disk.py: records each pwrite and preadv (the disk
     tier's page copies), then does it; anything else is the real module's."""
 
-    def __init__(self, spy: "ByteSpy", real) -> None:
+    def __init__(self, spy: ByteSpy, real) -> None:
         self._spy = spy
         self._real = real
 
@@ -337,7 +337,7 @@ def test_no_page_hash_populate_or_disk_io_runs_under_the_store_lock(rigs, monkey
             assert np.array_equal(rig.host.page(slot), pattern(key, BIG))
         s.release("reader", lease.lease_id)
         wanted = disk_only(namespace, 1)
-        match, grant = s.acquire_prefix("reader", namespace, wanted)
+        _match, grant = s.acquire_prefix("reader", namespace, wanted)
         assert grant is not None and grant.ready == 1
         assert np.array_equal(rig.host.page(grant.slots[0]), pattern(wanted[0], BIG))
         s.release("reader", grant.lease_id)
