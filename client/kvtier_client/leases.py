@@ -151,9 +151,14 @@ class WriteLease(Lease):
         again afterwards through its view makes its checksum stale: the page then fails
         its next check (warm restart, a disk or cluster read) and is dropped, never served."""
         page = self._arena().raw(self.slots[index], writable=True)
-        src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        src = data if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 else \
+            np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if src.nbytes != page.nbytes:
             raise ValueError(f"page {index} holds {page.nbytes} bytes; got {src.nbytes}")
+        if page.nbytes <= WRITE_PIECE_BYTES:
+            np.copyto(page, src)
+            self.checksums[index] = xxhash.xxh3_64_intdigest(page)
+            return
         digest = xxhash.xxh3_64()
         for at in range(0, page.nbytes, WRITE_PIECE_BYTES):
             piece = page[at : at + WRITE_PIECE_BYTES]

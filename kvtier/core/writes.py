@@ -29,7 +29,6 @@ import enum
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeVar
 
 from kvtier_client.errors import InvalidArgument
@@ -211,10 +210,10 @@ class Writes:
                 if Tier.HOST in existing.copies:
                     host.policy.touch(ref)
             else:
-                block = index.add_block(ref, prev, Tier.HOST, Copy(slot), tokens[i] if tokens else None)
-                fresh.append(block)
-                entry = block.entry(Tier.HOST)
-                entries.append(entry if checksums is None else replace(entry, length=page_bytes, checksum=checksums[i]))
+                fresh.append(index.add_block(ref, prev, Tier.HOST, Copy(slot), tokens[i] if tokens else None))
+                # The slot table entry (Block.entry, with the client's checksum when it sent one).
+                entries.append(PageRecord(ns, key, slot, prev[1] if prev else None,
+                                          *((page_bytes, checksums[i]) if checksums else (0, 0))))
             prev = ref
         for slot in lease.slots[len(keys) :]:
             host.slots.free(slot)
