@@ -405,3 +405,23 @@ def test_a_page_is_hashed_once_at_commit_and_once_by_its_disk_read(rigs, monkeyp
     assert len(spy.since(mark, "hash", page_bytes)) == 4  # and none after
     assert [e for e in spy.events if e.held and e.kind != "hash"] == []
     check_invariants(s, rig.disk.records())
+
+
+def test_a_commit_with_the_clients_checksums_hashes_nothing(rigs, monkeypatch):
+    """Checksums sent with the commit (a client that hashed its pages as it wrote them) go
+    into the slot table as they are, and on to disk: the daemon reads no page to hash it."""
+    rig = rigs(host=8, disk=16, write_through=True, layout=BIG)
+    spy = ByteSpy(rig, monkeypatch)
+    s, page_bytes = rig.store, BIG.page_bytes
+    keys = [b"sent-%03d" % i for i in range(4)]
+    sums = [xxhash.xxh3_64_intdigest(pattern(key, BIG)) for key in keys]
+    lease = s.borrow("w", "A", len(keys))
+    for slot, key in zip(lease.slots, keys):
+        rig.host.page(slot)[:] = pattern(key, BIG)
+    mark = spy.mark()
+    s.commit("w", lease.lease_id, keys, checksums=sums)
+    assert spy.since(mark, "hash", page_bytes) == []
+    assert len(spy.since(mark, "pwrite")) == 4  # written through, with the sent checksums
+    assert [rig.host.checksum(slot) for slot in lease.slots] == sums
+    assert sorted(r.checksum for r in rig.disk.records()) == sorted(sums)
+    check_invariants(s, rig.disk.records())
