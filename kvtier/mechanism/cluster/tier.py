@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
+from kvtier.mechanism.codec import IDENTITY, PageCodec
 from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
@@ -52,9 +53,13 @@ class ClusterTier:
 
     def __init__(self, store: RemoteStore, *, page_bytes: int, layout_id: str, prefix: str = "kvtier",
                  namespace_stores: Mapping[str, RemoteStore] | None = None,
-                 observer: LatencyObserver | None = None, sealer: Sealer | None = None) -> None:
+                 observer: LatencyObserver | None = None, sealer: Sealer | None = None,
+                 codec: PageCodec = IDENTITY) -> None:
+        """`codec` encodes the pages this node writes (reads decode each value with the
+        codec its header names)."""
         self.store = store
         self.sealer = sealer or Sealer()
+        self.codec = codec
         self.page_bytes = page_bytes
         self.layout_id = layout_id
         self.prefix = prefix
@@ -128,7 +133,9 @@ class ClusterTier:
         """Store each (key, page); whether each was stored. `checksums`: each page's xxh3-64
         where already known (the host tier computed it at commit), None to compute it."""
         sums = checksums or [None] * len(items)
-        values = [(key, (header(self._layout, self.identity(namespace, key), self.sealer, page, checksum), page))
+        codec = self.codec
+        values = [(key, (header(self._layout, self.identity(namespace, key), self.sealer, page, checksum, codec),
+                         codec.encode(page)))
                   for (key, page), checksum in zip(items, sums)]
         replies = self._call("put", namespace, lambda s, kvs: s.put(kvs), values, keyed=True)
         ok = [r is True for r in replies]

@@ -4,16 +4,18 @@ Key: `<prefix>:<layout id>:<namespace, percent-quoted>:<block key, hex>`. Printa
 operator can read it in `redis-cli` and write ACL key patterns per namespace
 (`~kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never share a key.
 
-Value: a 48-byte header and the page, stored as two parts of one value (RemoteStore):
+Value: a 48-byte header and the page as its codec encodes it (kvtier.mechanism.codec;
+identity: the page itself), stored as two parts of one value (RemoteStore):
 
     offset  size  field
     0       4     magic b"KVTP"
     4       1     format version (2)
     5       1     seal kind (kvtier.mechanism.seal.SealKind: 0 checksum, 1 keyed)
-    6       2     zero
+    6       1     codec id (0 identity; one a reader does not know makes the value corrupt)
+    7       1     zero
     8       8     layout hash (first 8 bytes of the layout id's digest), little-endian
-    16      8     page length in bytes, little-endian
-    24      8     xxh3-64 of the page bytes, little-endian
+    16      8     page length in bytes (decoded), little-endian
+    24      8     xxh3-64 of the page bytes (decoded), little-endian
     32      16    seal of the page as (layout, namespace, block key)'s (kvtier.mechanism.seal)
 
 A value whose header or checksum does not match is corrupt (so is a value of format 1,
@@ -29,11 +31,12 @@ from urllib.parse import quote
 
 import xxhash
 
+from kvtier.mechanism.codec import CODECS, IDENTITY, PageCodec
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 MAGIC = b"KVTP"
 VERSION = 2
-HEADER = struct.Struct("<4sBB2xQQQ16s")
+HEADER = struct.Struct("<4sBBBxQQQ16s")
 
 
 class Verdict(enum.Enum):
@@ -52,22 +55,28 @@ def layout_hash(layout_id: str) -> int:
     return int(layout_id[:16].ljust(16, "0"), 16)
 
 
-def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview, checksum: int | None = None) -> bytes:
+def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview, checksum: int | None = None,
+           codec: PageCodec = IDENTITY) -> bytes:
     """The header of `page` stored as `identity` (`checksum`: its xxh3-64 if already
-    known); the page itself is stored as it is."""
+    known) and encoded by `codec` (what to store after it: `codec.encode(page)`)."""
     if checksum is None:
         checksum = xxhash.xxh3_64_intdigest(page)
-    return HEADER.pack(MAGIC, VERSION, sealer.kind, layout, page.nbytes, checksum, sealer.seal(identity, page, checksum))
+    return HEADER.pack(MAGIC, VERSION, sealer.kind, codec.id, layout, page.nbytes, checksum,
+                       sealer.seal(identity, page, checksum))
 
 
-def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, page: bytes,
+def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
                 out: memoryview) -> Verdict:
-    """Copy `page` into `out` if its header, checksum and seal as `identity` hold; otherwise
-    say what is wrong (the caller drops it) and leave `out` alone."""
-    if len(head) != HEADER.size or len(page) != out.nbytes:
+    """Decode the stored page into `out` if its header, codec, checksum and seal as
+    `identity` hold; otherwise say what is wrong (the caller drops it) and leave `out` alone."""
+    if len(head) != HEADER.size:
         return Verdict.CORRUPT
-    magic, version, kind, their_layout, length, checksum, seal = HEADER.unpack(head)
+    magic, version, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or their_layout != layout or length != out.nbytes:
+        return Verdict.CORRUPT
+    codec = CODECS.get(codec_id)
+    page = codec.decode(stored, out.nbytes) if codec is not None else None
+    if page is None:
         return Verdict.CORRUPT
     if xxhash.xxh3_64_intdigest(page) != checksum:
         return Verdict.CORRUPT
