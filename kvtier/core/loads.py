@@ -116,7 +116,7 @@ class Loads:
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
                 entry = block.entry(Tier.HOST)
-                if from_disk:  # the reader verified the page against this checksum: not hashed again
+                if job.record.length:  # the reader verified the page against this checksum: not hashed again
                     entry = replace(entry, length=job.record.length, checksum=job.record.checksum)
                 staged = self.ports.host.stage([entry])
             else:

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.core.ports import LoadJob, LoadKind
 from kvtier.mechanism.bandwidth import Throughput
@@ -208,8 +208,12 @@ class ClusterReader(PageReader):
         for job in jobs:
             by_namespace.setdefault(job.record.namespace, []).append(job)
         for namespace, group in by_namespace.items():
-            ok = self.tier.read(namespace, [j.record.key for j in group], [self.host.view(j.host_slot) for j in group])
-            results.update(zip(map(id, group), ok))
+            sums = self.tier.read_checked(namespace, [j.record.key for j in group],
+                                          [self.host.view(j.host_slot) for j in group])
+            for job, checksum in zip(group, sums):
+                if checksum is not None:  # verified: the slot table takes it as it is
+                    job.record = replace(job.record, length=self.tier.page_bytes, checksum=checksum)
+                results[id(job)] = checksum is not None
         return [results[id(job)] for job in jobs]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
 from kvtier.mechanism.codec import IDENTITY, PageCodec
-from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
+from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_checked, header, layout_hash
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 log = logging.getLogger(__name__)
@@ -90,24 +90,30 @@ class ClusterTier:
     def read(self, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         """Fetch each key's page into its view; False where it is absent, failed, corrupt or
         misbound (such a value is deleted from the store)."""
+        return [checksum is not None for checksum in self.read_checked(namespace, keys, views)]
+
+    def read_checked(self, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[int | None]:
+        """`read`, giving each page's checksum it verified (None where `read` says False),
+        so the host tier need not hash the page again."""
         replies = self._call("get", namespace, lambda s, ks: s.get(ks), keys)
-        ok, bad = [], {Verdict.CORRUPT: [], Verdict.MISBOUND: []}
+        ok: list[int | None] = []
+        bad = {Verdict.CORRUPT: [], Verdict.MISBOUND: []}
         absent = 0
         for key, reply, view in zip(keys, replies, views):
-            verdict = None
+            verdict, checksum = None, 0
             if isinstance(reply, tuple):
-                verdict = decode_into(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
+                verdict, checksum = decode_checked(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
                 if verdict is not Verdict.GOOD:
                     bad[verdict].append(key)
             absent += reply is None
-            ok.append(verdict is Verdict.GOOD)
+            ok.append(checksum if verdict is Verdict.GOOD else None)
         if bad[Verdict.CORRUPT]:
             self._drop(namespace, bad[Verdict.CORRUPT], FaultKind.CORRUPT, "failed their header or checksum")
         if bad[Verdict.MISBOUND]:
             self._drop(namespace, bad[Verdict.MISBOUND], FaultKind.MISBOUND,
                        "are sealed as another key's, namespace's or layout's (moved there), or with another "
                        "seal_key_file than this node's (every node must share one)")
-        pages = sum(ok)
+        pages = sum(checksum is not None for checksum in ok)
         with self._lock:
             self._stats.pages_read += pages
             self._stats.bytes_read += pages * self.page_bytes

@@ -69,18 +69,22 @@ def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes
                 out: memoryview) -> Verdict:
     """Decode the stored page into `out` if its header, codec, checksum and seal as
     `identity` hold; otherwise say what is wrong (the caller drops it) and leave `out` alone."""
+    return decode_checked(layout, identity, sealer, head, stored, out)[0]
+
+
+def decode_checked(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
+                   out: memoryview) -> tuple[Verdict, int]:
+    """`decode_into`, and the page's checksum it verified (0 unless GOOD)."""
     if len(head) != HEADER.size:
-        return Verdict.CORRUPT
+        return Verdict.CORRUPT, 0
     magic, version, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or their_layout != layout or length != out.nbytes:
-        return Verdict.CORRUPT
+        return Verdict.CORRUPT, 0
     codec = CODECS.get(codec_id)
     page = codec.decode(stored, out.nbytes) if codec is not None else None
-    if page is None:
-        return Verdict.CORRUPT
-    if xxhash.xxh3_64_intdigest(page) != checksum:
-        return Verdict.CORRUPT
+    if page is None or xxhash.xxh3_64_intdigest(page) != checksum:
+        return Verdict.CORRUPT, 0
     if not sealer.check(identity, page, checksum, kind, seal):
-        return Verdict.MISBOUND
+        return Verdict.MISBOUND, 0
     out[:] = page
-    return Verdict.GOOD
+    return Verdict.GOOD, checksum
