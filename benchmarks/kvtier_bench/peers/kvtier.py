@@ -1,8 +1,9 @@
 """Pages through the real thing: a `kvtier serve` subprocess and a `KVTierClient` that maps
 its host arena, the way an engine on the same host uses kvtier.
 
-    put  borrow a batch of pages, np.copyto the engine's page bytes into each lease page view
-         (the client's shared-memory mapping), commit under the batch's keys
+    put  borrow a batch of pages, lease.write the engine's page bytes into each page (the
+         client's shared-memory mapping; a copy that hashes as it goes), commit under the
+         batch's keys with the checksums
     get  acquire a batch of keys, np.copyto each lease page view into the engine's buffer, release
 
 The calls go over the daemon's fast lane (the default client) or, with lane=False, gRPC.
@@ -98,9 +99,9 @@ class KvtierPages:
             keys = [page_key(rep, start + j) for j in range(n)]
             if self.remote_pages is not None:
                 self.remote_pages.write_pages(lease, [engine[(start + j) % ring] for j in range(n)])
-            else:
-                for j, page in enumerate(lease.pages):
-                    np.copyto(raw(page), engine[(start + j) % ring])
+            else:  # copied and hashed in one pass (what engines are told to use): commit sends the sums
+                for j in range(n):
+                    lease.write(j, engine[(start + j) % ring])
             slots.extend(lease.slots)
             client.commit(lease, keys, parent=parent)
             parent = keys[-1]

@@ -625,8 +625,8 @@ class HFPrefixCache:
                             part = _numpy_view(src[0, :, t0:t1, :].to("cpu"), np_dtype)  # [heads, n*B, dim]
                             part = part.reshape(lay.kv_heads, n, B, lay.head_dim).transpose(1, 2, 0, 3)
                             np.copyto(stage[:, i, j], part)
-                    for page, block in zip(lease.pages, stage):
-                        np.copyto(page, block)
+                    for j, block in enumerate(stage):  # copied and hashed in one pass: commit sends the sums
+                        lease.write(j, block)
                     result = lease.commit(keys[first : first + n], parent=keys[first - 1] if first else None,
                                           token_ids=tokens[t0:t1])  # for the daemon's KV events
                 stored += result.committed
