@@ -196,6 +196,19 @@ def commit(seq: int, lease_id: int, keys: Sequence[bytes], parent: bytes | None,
     return frame
 
 
+def _counted(body: memoryview, at: int, typecode: str, what: str, flag: str) -> tuple[array, int]:
+    """A u32 count at `at`, then that many items of `typecode`; the array and where it ends."""
+    if len(body) < at + 4:
+        raise FrameError(f"a commit with the {flag} flag needs the {what[:-1]} count after its keys")
+    (count,) = _U32.unpack_from(body, at)
+    items = array(typecode)
+    at, end = at + 4, at + 4 + items.itemsize * count
+    if len(body) < end:
+        raise FrameError(f"a commit's {count} {what} are cut short")
+    items.frombytes(body[at:end])
+    return items, end
+
+
 def read_commit(flags: int, body: memoryview) -> tuple[int, bytes | None, list[bytes], array | None]:
     """(lease id, parent, keys, token ids or None); `read_commit_checksums` also returns
     the pages' checksums."""
@@ -211,28 +224,8 @@ def read_commit_checksums(flags: int, body: memoryview) -> tuple[int, bytes | No
     at = _COMMIT.size + parent_len
     parent = bytes(body[_COMMIT.size : at]) if parent_len else None
     keys, at = unpack_keys(body, at)
-    token_ids = None
-    if flags & TOKENS:
-        if len(body) < at + 4:
-            raise FrameError("a commit with the TOKENS flag needs the token id count after its keys")
-        (count,) = _U32.unpack_from(body, at)
-        at, end = at + 4, at + 4 + 4 * count
-        if len(body) < end:
-            raise FrameError(f"a commit's {count} token ids are cut short")
-        token_ids = array("I")
-        token_ids.frombytes(body[at:end])
-        at = end
-    checksums = None
-    if flags & CHECKSUMS:
-        if len(body) < at + 4:
-            raise FrameError("a commit with the CHECKSUMS flag needs the checksum count after its keys")
-        (count,) = _U32.unpack_from(body, at)
-        at, end = at + 4, at + 4 + 8 * count
-        if len(body) < end:
-            raise FrameError(f"a commit's {count} checksums are cut short")
-        checksums = array("Q")
-        checksums.frombytes(body[at:end])
-        at = end
+    token_ids, at = _counted(body, at, "I", "token ids", "TOKENS") if flags & TOKENS else (None, at)
+    checksums, at = _counted(body, at, "Q", "checksums", "CHECKSUMS") if flags & CHECKSUMS else (None, at)
     done(body, at)
     return lease_id, parent, keys, token_ids, checksums
 
