@@ -150,7 +150,9 @@ class WriteLease(Lease):
         CPU tensor's .numpy()) into page `index`, hashing it on the way. Writing the page
         again afterwards through its view makes its checksum stale: the page then fails
         its next check (warm restart, a disk or cluster read) and is dropped, never served."""
-        page = self._arena().raw(self.slots[index], writable=True)
+        arena, slot = self._arena(), self.slots[index]
+        arena.prepare_write(slot)
+        page = arena.raw(slot, writable=True)
         src = data if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 else \
             np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if src.nbytes != page.nbytes:

@@ -19,6 +19,8 @@ from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.shm import map_fd
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
 if TYPE_CHECKING:
     import torch
 
@@ -98,6 +100,19 @@ class HostArenaView:
         self.slots = len(buffer) // slot_bytes
         self._mm: mmap.mmap | None = buffer
         self._bytes: np.ndarray | None = np.frombuffer(buffer, dtype=np.uint8)
+        self._mapped = np.zeros(self.slots, dtype=bool)  # slots `prepare_write` mapped here
+
+    def prepare_write(self, slot: Slot) -> None:
+        """Map a slot's memory in this process in one call before writing it the first
+        time, instead of one page fault per 4 KiB as the copy goes (a fresh arena's first
+        fill). Later writes skip it; a slot the daemon took away meanwhile just faults."""
+        if self._mm is None or self._mapped[slot]:
+            return
+        self._mapped[slot] = True
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE, slot * self.slot_bytes, self.slot_bytes)
+        except OSError:
+            pass  # an older kernel: the copy faults the pages in
 
     @classmethod
     def from_fd(cls, fd: int, size: int, layout: PageLayout, page_bytes: int, slot_bytes: int) -> "HostArenaView":
