@@ -77,6 +77,7 @@ def test_all_on_tiny_sizes_writes_json_markdown_and_every_plot(tmp_path_factory,
 
     tiers = saved["sections"]["tiers"]["result"]
     ops = {r["op"] for r in tiers["results"]}
+    assert {(r["op"], r["processes"]) for r in tiers["processes"]["rows"]} >= {("put", 4), ("get", 4), ("first fill", 1)}
     assert ops == {"host put", "host get", "disk write", "disk read", "host put (client)", "host get (client)"}
     peers = saved["sections"]["peers"]["result"]
     assert [r["system"] for r in peers["rows"]] == ["kvtier", "grpc"]
