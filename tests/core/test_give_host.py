@@ -1,4 +1,4 @@
-"""The mechanism hears of every host slot that changes hands (`PageMover.give_host`): before
+"""The mechanism hears of every host slot that changes hands (`HostPort.give`): before
 a writer, a disk load or a demotion puts another namespace's bytes in it, and only then."""
 from __future__ import annotations
 
