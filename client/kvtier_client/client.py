@@ -462,10 +462,12 @@ class KVTierClient:
         """The xxh3-64 of the first `count` pages of a lease: those `WriteLease.write`
         hashed as it copied them, the others hashed here, in the mapping the engine wrote
         them through, so the daemon need not read them again. None without a mapping (the
-        gRPC slow path): the daemon hashes them."""
+        gRPC slow path) or with a daemon that predates them: the daemon hashes them."""
         arena = lease.session.arena
         if arena is None or lease.tier is not Tier.HOST or not isinstance(lease, WriteLease):
             return None  # (a read lease: the daemon refuses its commit)
+        if not lease.session.info.commit_checksums:
+            return None  # a daemon from before them: it hashes the pages itself
         known = lease.checksums  # hashed by WriteLease.write as it copied
         return array("Q", [known[i] if i in known else xxh3_64_intdigest(arena.raw(slot, writable=False))
                            for i, slot in enumerate(lease.slots[:count])])

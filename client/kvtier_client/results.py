@@ -32,6 +32,7 @@ class PoolInfo:
     device_arena_bytes: int = 0
     device_pci_bus_id: str = ""
     lane_socket: str = ""  # the same-host fast lane for the hot calls (empty over TCP, or when it is off)
+    commit_checksums: bool = False  # the daemon takes the pages' checksums with a commit
 
     @classmethod
     def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
@@ -52,6 +53,7 @@ class PoolInfo:
             device_arena_bytes=reply.device_arena_bytes,
             device_pci_bus_id=reply.device_pci_bus_id,
             lane_socket=reply.lane_socket,
+            commit_checksums=reply.commit_checksums,
         )
 
     def capacity(self, tier: Tier) -> int:

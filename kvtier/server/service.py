@@ -189,6 +189,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             session_id=session.session_id,
             handoff_socket=self.handoff_socket if local else "",
             lane_socket=self.lane_socket if local else "",
+            commit_checksums=True,
             session_key="" if local else session.key,  # same host: only the attaching process gets it
             page_bytes=pool.layout.page_bytes,
             slot_bytes=pool.layout.slot_bytes,

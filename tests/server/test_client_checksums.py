@@ -9,6 +9,7 @@ Real daemons, a real arena keeper, kill -9.
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import uuid
 
@@ -129,3 +130,31 @@ def test_commit_frames_carry_checksums_only_with_their_flag():
         frames.read_commit_checksums(flags, body[:-1])
     with pytest.raises(FrameError, match="bytes after the end"):
         frames.read_commit_checksums(0, body)  # checksums without the flag
+
+
+def test_a_client_sends_checksums_only_to_a_daemon_that_takes_them(daemons, monkeypatch):
+    """The daemon says so at Register (commit_checksums); a client of a daemon that does not
+    (one from before them) commits as before and the daemon hashes the pages."""
+    sent: list = []
+    real = frames.commit
+
+    def spy(*args, **kwargs):
+        sent.append(args[5] if len(args) > 5 else kwargs.get("checksums"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(frames, "commit", spy)
+    daemon = _start(daemons, f"kvtier-test-sums-{uuid.uuid4().hex[:6]}")
+    with KVTierClient(daemon.target) as client:
+        info = client.register("ns", LAYOUT)
+        assert info.commit_checksums
+        lease = client.borrow(1)
+        lease.write(0, payload(0))
+        lease.commit([key(0)])
+        assert list(sent.pop()) == [xxhash.xxh3_64_intdigest(payload(0))]
+        session = client._current()
+        session.info = dataclasses.replace(session.info, commit_checksums=False)  # as an older daemon answers
+        lease = client.borrow(1)
+        lease.write(0, payload(1))
+        lease.commit([key(1)])
+        assert sent.pop() is None
+        assert _read(client, key(1)) == payload(1).tobytes()
