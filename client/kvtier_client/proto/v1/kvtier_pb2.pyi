@@ -99,7 +99,7 @@ class TierInfo(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key", "lane_socket")
+    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key", "lane_socket", "commit_checksums")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class RegisterResponse(_message.Message):
     HANDOFF_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page_bytes: int
     slot_bytes: int
@@ -128,7 +129,8 @@ class RegisterResponse(_message.Message):
     handoff_socket: str
     session_key: str
     lane_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ..., lane_socket: _Optional[str] = ...) -> None: ...
+    commit_checksums: bool
+    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ..., lane_socket: _Optional[str] = ..., commit_checksums: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
