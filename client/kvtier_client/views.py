@@ -17,9 +17,7 @@ import numpy as np
 
 from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
-from kvtier_client.shm import map_fd
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
+from kvtier_client.shm import map_fd, populate
 
 if TYPE_CHECKING:
     import torch
@@ -109,10 +107,7 @@ class HostArenaView:
         if self._mm is None or self._mapped[slot]:
             return
         self._mapped[slot] = True
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, slot * self.slot_bytes, self.slot_bytes)
-        except OSError:
-            pass  # an older kernel: the copy faults the pages in
+        populate(self._mm, slot * self.slot_bytes, self.slot_bytes)
 
     @classmethod
     def from_fd(cls, fd: int, size: int, layout: PageLayout, page_bytes: int, slot_bytes: int) -> "HostArenaView":

@@ -17,8 +17,8 @@ is evicted below its guarantee. Demotions allocate for the demoted block's names
 Without quotas the namespace decides nothing.
 
 Called with the store's lock held. A host eviction that needs pages written prepares
-them and raises `WriteOut`; the request's runner (kvtier.core.writes) writes them with the lock released
-and runs the request again. Disk index deletions are queued in `forgets`, and host pages
+them and raises `WriteOut`; the request's runner (kvtier.core.writes) writes them with the
+lock released and runs the request again. Disk index deletions are queued in `forgets`, and host pages
 demoted from the device in `staged` (their slot table entries need a hash): the caller
 hands both to the mechanism after releasing the lock. Device demotions are synchronous
 port calls.
@@ -152,8 +152,9 @@ class Capacity:
     def write_out_first(self, victims: list[Block]) -> None:
         """Raise WriteOut if host victims must reach disk first: some are being saved, or
         some dirty ones (no disk copy) that this request has not tried to write yet fit on
-        disk (their batch prepared now, while the request's own pages are protected). Dirty victims it already tried (the write failed, or the disk had no
-        room) are dropped by the eviction, as when the disk is full."""
+        disk (their batch prepared now, while the request's own pages are protected).
+        Dirty victims it already tried (the write failed, or the disk had no room) are
+        dropped by the eviction, as when the disk is full."""
         saved = [b for b in victims if b.copies[Tier.HOST].saved]
         if saved:
             raise WriteOut(None, saved)
@@ -262,13 +263,13 @@ class Capacity:
         quotas can take (blocks already on disk or being saved are skipped). Disk pages for
         which `keep` is true (default: protected ones) are never evicted for room. Each
         page taken is `saved` (protected) and its disk slot `writing` until `file`."""
-        capacity, disk = self, self.index.tiers[Tier.DISK]
+        disk = self.index.tiers[Tier.DISK]
         blocks = [b for b in blocks if Tier.DISK not in b.copies and not b.copies[Tier.HOST].saved]
         batch = WriteBatch()
-        for namespace, group in capacity.by_namespace(blocks):
-            victims, allowed = capacity.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
+        for namespace, group in self.by_namespace(blocks):
+            victims, allowed = self.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
             if victims:
-                capacity.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
+                self.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
             for block in group[: min(allowed, disk.slots.free_count)]:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None

@@ -97,7 +97,7 @@ class Loads:
         """A load ended: publish or drop the page. A dropped disk copy's index entry is
         deleted, and a page the reader did not verify is hashed, after the lock is
         released. (The ports call this from their I/O threads; the bookkeeping ports, which
-        moves no bytes, calls it at once, inside the request that started the load.)"""
+        move no bytes, call it at once, inside the request that started the load.)"""
         with self._lock:
             index = self.index
             staged: list[PageRecord] = []

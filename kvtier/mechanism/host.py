@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
+from kvtier_client.shm import populate
 
 from kvtier.core.ports import PageRecord
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _SEALS = 0x0001 | 0x0002 | 0x0004  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
 _F_ADD_SEALS = 1033
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _HUGE_PAGE = 2 << 20
 #: Pages hashed at once by `HostArena.publish` outside the store lock (xxh3 releases the GIL).
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -82,10 +82,7 @@ class NamespaceMemory:
     def populate(self, start: int, length: int) -> None:
         """Allocate and map [start, start + length) now, in one call, so that the first
         write does not take a page fault per 4 KiB (what pre-touching the arena did)."""
-        try:
-            self.mm.madvise(_MADV_POPULATE_WRITE, start, length)
-        except OSError:
-            pass  # an older kernel: the first touch faults the pages in instead
+        populate(self.mm, start, length)
 
     def close(self) -> None:
         del self.bytes
@@ -342,8 +339,8 @@ class HostArena:
         return [xxhash.xxh3_64_intdigest(self.page(r.slot)) for r in records]
 
     def publish_staged(self) -> None:
-        """Publish whatever is staged (pages demoted from the device, whose publishing no
-        request waits for)."""
+        """Publish whatever is still staged (at a stop that leaves the arena to a successor:
+        requests publish what they stage as they end)."""
         with self._table_lock:
             records = list(self._staged.values())
         self.publish(records)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvtier.mechanism import codec as codecs
 from kvtier.mechanism.cluster.values import HEADER, Verdict, decode_into, header
@@ -39,7 +40,7 @@ def test_the_identity_codec_stores_the_page_itself_and_reads_it_back():
     head = header(LAYOUT, IDENTITY, Sealer(), src)
     assert HEADER.unpack(head)[3] == codecs.IDENTITY.id == 0
     out = memoryview(bytearray(PAGE_BYTES))
-    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, bytes(src), out) is Verdict.GOOD
+    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, bytes(src), out)[0] is Verdict.GOOD
     assert out == src
 
 
@@ -50,12 +51,12 @@ def test_a_page_is_decoded_with_the_codec_its_header_names(monkeypatch):
     assert stored != bytes(src)
     head = header(LAYOUT, IDENTITY, Sealer(), src, codec=codec)
     out = memoryview(bytearray(PAGE_BYTES))
-    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, stored, out) is Verdict.GOOD
+    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, stored, out) == (Verdict.GOOD, xxhash.xxh3_64_intdigest(src))
     assert out == src
     # Checksum and seal are the page's, not its encoding's: the same value read as another
     # key is misbound, and the stored bytes as identity would fail the checksum.
     other = PageIdentity("layout", "ns", b"another")
-    assert decode_into(LAYOUT, other, Sealer(), head, stored, out) is Verdict.MISBOUND
+    assert decode_into(LAYOUT, other, Sealer(), head, stored, out)[0] is Verdict.MISBOUND
 
 
 @pytest.mark.parametrize("codec_id", [7, 255])
@@ -64,7 +65,7 @@ def test_a_codec_this_node_does_not_know_makes_the_value_corrupt(codec_id):
     head = bytearray(header(LAYOUT, IDENTITY, Sealer(), src))
     head[6] = codec_id
     out = memoryview(bytearray(b"\xee" * PAGE_BYTES))
-    assert decode_into(LAYOUT, IDENTITY, Sealer(), bytes(head), bytes(src), out) is Verdict.CORRUPT
+    assert decode_into(LAYOUT, IDENTITY, Sealer(), bytes(head), bytes(src), out)[0] is Verdict.CORRUPT
     assert out == b"\xee" * PAGE_BYTES  # left alone
 
 
@@ -72,4 +73,4 @@ def test_a_value_that_does_not_decode_to_a_whole_page_is_corrupt():
     src = page(3)
     head = header(LAYOUT, IDENTITY, Sealer(), src)
     out = memoryview(bytearray(PAGE_BYTES))
-    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, bytes(src)[:-1], out) is Verdict.CORRUPT
+    assert decode_into(LAYOUT, IDENTITY, Sealer(), head, bytes(src)[:-1], out)[0] is Verdict.CORRUPT

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
 from kvtier.mechanism.codec import IDENTITY, PageCodec
-from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_checked, header, layout_hash
+from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class ClusterTier:
         for key, reply, view in zip(keys, replies, views):
             verdict, checksum = None, 0
             if isinstance(reply, tuple):
-                verdict, checksum = decode_checked(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
+                verdict, checksum = decode_into(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
                 if verdict is not Verdict.GOOD:
                     bad[verdict].append(key)
             absent += reply is None

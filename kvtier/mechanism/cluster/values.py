@@ -66,15 +66,10 @@ def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview
 
 
 def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
-                out: memoryview) -> Verdict:
+                out: memoryview) -> tuple[Verdict, int]:
     """Decode the stored page into `out` if its header, codec, checksum and seal as
-    `identity` hold; otherwise say what is wrong (the caller drops it) and leave `out` alone."""
-    return decode_checked(layout, identity, sealer, head, stored, out)[0]
-
-
-def decode_checked(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
-                   out: memoryview) -> tuple[Verdict, int]:
-    """`decode_into`, and the page's checksum it verified (0 unless GOOD)."""
+    `identity` hold, and give the checksum it verified; otherwise say what is wrong (the
+    caller drops it; checksum 0) and leave `out` alone."""
     if len(head) != HEADER.size:
         return Verdict.CORRUPT, 0
     magic, version, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
