@@ -138,6 +138,7 @@ class Loads:
             self.ports.disk.forget(records)
             with self._lock:
                 self.capacity.forgotten(records)
+                self.loaded.notify_all()  # for `wait_saved`
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,

@@ -382,8 +382,9 @@ class BlockStore:
         self._writes.wake_write_back()
 
     def wait_saved(self, timeout: float | None = None) -> bool:
-        """Block until no disk write is in flight (False if `timeout` passes first). For
-        tests and benchmarks that need a quiet store."""
+        """Block until no disk write and no disk index deletion is in flight (False if
+        `timeout` passes first): a load that found a rotten page deletes its entry from its
+        I/O thread after waking the request. For tests and benchmarks that need a quiet store."""
         return self._writes.wait_saved(timeout)
 
     @_locked

@@ -305,7 +305,7 @@ class Writes:
 
     def wait_saved(self, timeout: float | None = None) -> bool:
         with self._lock:
-            return self.loads.loaded.wait_for(lambda: not self.capacity.saving, timeout)
+            return self.loads.loaded.wait_for(lambda: not self.capacity.saving and not self.capacity.forgetting, timeout)
 
     # -- the stop -----------------------------------------------------------------------
     def persist(self, deadline: float | None = None) -> int:

@@ -6,8 +6,8 @@ uncached keys, duplicate keys, quotas that cannot be kept) and injected failures
 byte in a disk page on disk, a disk whose writes fail), over three namespaces with random
 quotas. Evictions of dirty pages and write-through commits go through the out-of-lock
 write path (write out, then run the request again / file the copies); a `write_back` rule
-cleans with a random reserve. Each step waits until no write is in flight, so the state
-between steps is settled. After every step: the store's
+cleans with a random reserve. After each step the test waits until no disk write or index
+deletion is in flight, so the state between steps is settled. After every step: the store's
 invariants hold, the disk index agrees, every page a read lease holds and every cached host
 and disk page holds the bytes committed under its key, a borrowed page never carries
 another namespace's bytes, no namespace is above its maximum, and a request of one
@@ -133,8 +133,10 @@ class StoreMachine(RuleBasedStateMachine):
             check_guarantees_kept(before, self.store.stats(), namespace)
 
     def settle(self) -> None:
-        """Wait for the write-back thread to write what commits queued (write-through)."""
-        assert self.store.wait_saved(10), "write-back did not finish"
+        """Wait for the disk writes commits queued (write-through) and for the index
+        deletions a load's I/O thread makes after waking its request (a rotten page): what
+        the next step draws from must not depend on how fast those threads ran."""
+        assert self.store.wait_saved(10), "disk writes or index deletions did not finish"
 
     def live(self, kind: str | None = None) -> list[int]:
         return sorted(i for i, lease in self.leases.items() if kind is None or lease[2] == kind)
@@ -440,6 +442,7 @@ class StoreMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         if self.pool is None:
             return
+        self.settle()
         check(self.pool)
         check_quotas_kept(self.store)
         assert set(self.store.leases) == set(self.leases)
@@ -448,6 +451,7 @@ class StoreMachine(RuleBasedStateMachine):
     def read_leases_see_committed_bytes(self):
         if self.pool is None:
             return
+        self.settle()
         for lease_id, (_, _, kind, slots, refs) in self.leases.items():
             for slot, ref in zip(slots, refs):
                 assert self.store.blocks[ref].copies[Tier.HOST].slot == slot
@@ -457,6 +461,7 @@ class StoreMachine(RuleBasedStateMachine):
     def cached_pages_hold_committed_bytes(self):
         if self.pool is None:
             return
+        self.settle()
         with open(self.pool.disk.slab_path, "rb") as slab:
             for ref, block in self.store.blocks.items():
                 host = block.copies.get(Tier.HOST)
