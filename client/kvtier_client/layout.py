@@ -1,8 +1,10 @@
 """Page layouts: what one fixed-size KV page holds, and how many bytes that is.
 
-A page holds the K and V of every layer for `block_tokens` consecutive tokens. The only
-order today is `page_first`, whose shape is ``[layers, 2, block_tokens, kv_heads, head_dim]``
-(2 = K then V), contiguous, so one page is one slot in every tier.
+A page holds the K and V of every layer for `block_tokens` consecutive tokens: in order
+`page_first` its shape is ``[layers, 2, block_tokens, kv_heads, head_dim]`` (2 = K then V);
+in order `latent` (MLA, whose cache is one compressed vector per token) it is ``[layers,
+block_tokens, kv_heads, head_dim]``. Either is contiguous, so one page is one slot in every
+tier.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-#: Known orders of dimensions inside a page -> the page's shape as a function of the layout.
-ORDERS = ("page_first",)
+#: Known orders of dimensions inside a page. `page_first`: [layers, 2, block_tokens, kv_heads,
+#: head_dim], K then V. `latent`: [layers, block_tokens, kv_heads, head_dim], one vector per
+#: token and head with no K/V split (MLA's compressed latent: kv_heads 1).
+ORDERS = ("page_first", "latent")
 
 #: Slots in every tier start on this boundary, so direct I/O can read straight into a host page.
 SLOT_ALIGN = 4096
@@ -51,8 +55,15 @@ class PageLayout:
             raise ValueError(f"page layout: unknown order {self.order!r}; use one of {', '.join(ORDERS)}")
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
+    def kv_parts(self) -> int:
+        """2 (K and V) for `page_first`, 1 for `latent`."""
+        return 1 if self.order == "latent" else 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         """Dimensions of one page, outermost first."""
+        if self.order == "latent":
+            return (self.layers, self.block_tokens, self.kv_heads, self.head_dim)
         return (self.layers, 2, self.block_tokens, self.kv_heads, self.head_dim)
 
     @property
@@ -62,7 +73,7 @@ class PageLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of KV in one page."""
-        return self.layers * 2 * self.block_tokens * self.kv_heads * self.head_dim * self.itemsize
+        return self.layers * self.kv_parts * self.block_tokens * self.kv_heads * self.head_dim * self.itemsize
 
     @property
     def slot_bytes(self) -> int:

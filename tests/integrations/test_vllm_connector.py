@@ -30,7 +30,7 @@ def checks(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # A small copy shape keeps this quick; vllm_checks.py copies alone runs the full-size one.
-        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "copies", "--pages", "64",
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "copies", "--pages", "64",
                    "--layers", "4"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     finally:
@@ -71,11 +71,11 @@ def test_kv_events_name_the_blocks_kvtier_took_with_vllms_hashes(checks):
         assert e["hashes_match"] and e["tokens_match"] and e["parent_match"], e
 
 
-def test_reset_cache_forgets_pending_state_and_says_kvtier_was_not_reset(checks):
+def test_reset_cache_forgets_what_is_being_stored_and_says_kvtier_was_not_reset(checks):
     reset = checks["dedupe"]["reset"]
     assert reset["saves_sent"] == 1 and reset["storing_before"]
     assert reset["answer"] is False  # kvtier keeps the namespace's pages
-    assert (reset["storing_after"], reset["sent_after"]) == (0, 0)
+    assert (reset["storing_after"], reset["sent_after"]) == (0, 1)
 
 
 def test_batched_copies_give_the_same_blocks_and_are_timed(checks):
@@ -85,3 +85,21 @@ def test_batched_copies_give_the_same_blocks_and_are_timed(checks):
     print(f"\ncopies {c['shape']}: memcpy {c['memcpy_GBps']} GB/s; load per page {c['before_load_GBps']} GB/s "
           f"({c['before_load_vs_memcpy']}x memcpy) -> batched {c['after_load_GBps']} GB/s "
           f"({c['after_load_vs_memcpy']}x); save {c['before_save_GBps']} -> {c['after_save_GBps']} GB/s")
+
+
+def test_engines_of_every_tensor_parallel_size_share_pages(checks):
+    """A page holds every KV head: what a TP=2 engine stored is a TP=1 engine's hit and the
+    other way round, each rank writing and reading only its heads."""
+    s = checks["shapes"]
+    for case, blocks in {"tp2_to_tp1": 3, "tp1_to_tp2": 2, "replicated": 2, "mla": 2}.items():
+        assert s[case]["stored"] == blocks, (case, s[case])
+        assert s[case]["loaded_tokens"] == blocks * 32, (case, s[case])
+        assert s[case]["equal"], (case, s[case])
+    assert s["replicated"]["writers"] == [True, False]  # one KV head, two ranks: rank 0 writes it
+
+
+def test_a_page_is_committed_only_when_every_rank_wrote_its_part(checks):
+    m = checks["shapes"]["missing_report"]
+    assert m["stored"] == 0  # rank 1 never reported: the scheduler did not commit
+    assert m["after"] == m["before"]  # nothing cached, no page left borrowed
+    assert (m["then_loaded_tokens"], m["then_stored"]) == (0, 2)  # a miss; stored by the next engine

@@ -1,7 +1,7 @@
 """Fast checks of the vLLM connector's halves without an engine, for tests/integrations/test_vllm_connector.py
 (run with .venv-vllm's python; prints one JSON object):
 
-    vllm_checks.py --target unix:///path/kvtier.sock dedupe copies
+    vllm_checks.py --target unix:///path/kvtier.sock dedupe shapes copies
 
 dedupe   The real KVTierScheduler and KVTierWorker on a real daemon, driven with vLLM's own
          Request, SchedulerOutput and KVConnectorOutput objects the way vLLM's scheduler and
@@ -13,6 +13,7 @@ dedupe   The real KVTierScheduler and KVTierWorker on a real daemon, driven with
          the save. Reports what each request says it stored, what the daemon holds, the
          connector's stats and KV events, whether loaded pages equal the stored blocks, and
          what reset_cache does to a save in flight.
+shapes   Engines of different tensor-parallel sizes sharing pages (vllm_shape_checks.py).
 copies   The worker's batched copies (`load_pages`, `save_layer`: one gather and one scatter
          per layer) against the per-page copies they replaced (one `copy_` per page and layer)
          and against one plain torch copy of the same bytes, on vLLM-shaped views of a KV cache.
@@ -49,6 +50,7 @@ def dedupe(target: str) -> dict:
     from kvtier_client import KVTierClient, PageLayout, Tier
     from kvtier_client.integrations.vllm import ConnectorConfig, KVTierConnectorStats, KVTierScheduler, KVTierWorker
     from kvtier_client.integrations.vllm.link import DaemonLink
+    from kvtier_client.integrations.vllm.shapes import WorkerSlice
 
     layout = PageLayout(LAYERS, HEADS, HEAD_DIM, block_tokens=BLOCK, dtype="float32")
     # No planner: with no model behind it, a "forward pass" takes microseconds and would make it recompute.
@@ -56,7 +58,8 @@ def dedupe(target: str) -> dict:
                                         default_namespace="x")
     scheduler = KVTierScheduler(DaemonLink.open(config, layout, "scheduler"), config, BLOCK, do_load=True,
                                 do_save=True, events=True)
-    worker = KVTierWorker(DaemonLink.open(config, layout, "worker"), None, layout, LAYER_NAMES, "cpu")
+    worker = KVTierWorker(DaemonLink.open(config, layout, "worker"), None, layout, LAYER_NAMES, "cpu",
+                          WorkerSlice(rank=0, head_start=0, heads=HEADS, writes=True, page_layers=(0, 1)))
     torch.manual_seed(0)
     kv = {name: torch.randn(64, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYER_NAMES}  # CPU_ATTN's per-layer KV
     worker.register_kv_caches(kv)
@@ -99,7 +102,7 @@ def dedupe(target: str) -> dict:
         worker_stats.aggregate(worker.get_kv_connector_stats() or KVTierConnectorStats())
         report = worker.build_connector_worker_meta()
         scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
-        return {"saves": [[s.req_id, s.first, len(s.keys)] for s in meta.saves],
+        return {"saves": [[s.req_id, s.first, len(s.slots)] for s in meta.saves],
                 "loads": [[op.req_id, op.block_ids] for op in meta.loads],
                 "copy_bytes": report.copy_bytes if report else 0}
 
@@ -135,7 +138,8 @@ def dedupe(target: str) -> dict:
     third_step = step([(r6, loaded_blocks)])
     same = all(torch.equal(kv[n][src], kv[n][dst]) for n in LAYER_NAMES for src, dst in zip(range(5), loaded_blocks))
 
-    # vLLM's reset_prefix_cache(reset_connector=True): pending state goes, kvtier's pages stay ("not reset").
+    # vLLM's reset_prefix_cache(reset_connector=True): which keys are being stored is forgotten, kvtier's
+    # pages stay ("not reset"), and a save in flight still ends as its workers report it.
     r7 = new_request("r7", tokens(2 * BLOCK))
     schedule(r7, 0)
     r7_keys = list(scheduler._requests["r7"].keys)
@@ -214,8 +218,9 @@ def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype
             for page, b in zip(page_list, block_ids):
                 page[layer].copy_(view[b])
 
-    def batched_save() -> None:  # as the worker does it: layer by layer, each page as its layers
-        page_layers = [p.unbind(0) for p in page_list]
+    page_layers = [p.unbind(0) for p in page_list]  # each page as its layers, as the worker cuts them
+
+    def batched_save() -> None:  # as the worker does it: layer by layer
         for layer, view in enumerate(views):
             save_layer(view, page_layers, block_ids, layer, threads)
 
@@ -224,7 +229,7 @@ def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype
 
     variants = {
         "memcpy": lambda: dst.copy_(src),
-        "before_load": per_page_load, "after_load": lambda: load_pages(views, page_list, block_ids, threads),
+        "before_load": per_page_load, "after_load": lambda: load_pages(views, page_layers, block_ids, threads),
         "before_save": per_page_save, "after_save": batched_save,
     }
     best = dict.fromkeys(variants, float("inf"))
@@ -237,7 +242,7 @@ def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype
     memcpy = best.pop("memcpy")
     results = best
     # Same blocks either way: load with both and compare, save with both and compare.
-    load_pages(views, page_list, block_ids, threads)
+    load_pages(views, page_layers, block_ids, threads)
     batched = [k.clone() for k in kv]
     per_page_load()
     same_load = all(torch.equal(a, b) for a, b in zip(batched, kv))
@@ -261,7 +266,7 @@ def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checks", nargs="+", choices=["dedupe", "copies"])
+    parser.add_argument("checks", nargs="+", choices=["dedupe", "copies", "shapes"])
     parser.add_argument("--target", help="kvtier daemon (dedupe)")
     parser.add_argument("--pages", type=int, default=128)
     parser.add_argument("--layers", type=int, default=8)
@@ -274,6 +279,10 @@ def main() -> None:
     out = {}
     if "dedupe" in args.checks:
         out["dedupe"] = dedupe(args.target)
+    if "shapes" in args.checks:
+        from vllm_shape_checks import shapes
+
+        out["shapes"] = shapes(args.target)
     if "copies" in args.checks:
         out["copies"] = copies(args.pages, args.layers, args.heads, args.head_dim, args.block, args.dtype, args.repeat)
     print(json.dumps(out))

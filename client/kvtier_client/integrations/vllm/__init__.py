@@ -106,15 +106,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
         "environment; for this repository's CPU checks run scripts/setup_vllm.sh (creates .venv-vllm)."
     ) from exc
 
-from kvtier_client.integrations.vllm.config import (
-    ConnectorConfig,
-    check_parallel,
-    default_namespace,
-    page_layout_for,
-)
+from kvtier_client.integrations.vllm.config import ConnectorConfig, default_namespace
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
 from kvtier_client.integrations.vllm.scheduler import KVTierScheduler, request_salt
+from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice, page_layers_of, page_layout_for
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier_client.integrations.vllm.worker import KVTierWorker
 
@@ -131,6 +127,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _worker_slice(shape: ParallelShape, layout, kv_cache_config: KVCacheConfig, layer_names: list[str]) -> WorkerSlice:
+    """This worker's part of every page, from vLLM's parallel groups (initialised before
+    vLLM builds a worker's connector)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    local_heads = kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+    return WorkerSlice.of(shape, get_tp_group().rank_in_group, get_pp_group().rank_in_group, layout.kv_heads,
+                          local_heads, page_layers_of(layer_names, layout))
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """A vLLM V1 KV connector backed by a kvtier daemon (see the package docstring).
 
@@ -141,13 +147,13 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_parallel(vllm_config)
+        shape = ParallelShape.of(vllm_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(
             transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config)
         )
         block_size = vllm_config.cache_config.block_size
-        self.layout, layer_names = page_layout_for(kv_cache_config, block_size)
+        self.layout, layer_names = page_layout_for(kv_cache_config, vllm_config)
         if transfer.kv_load_failure_policy != "recompute":
             log.info(
                 "kvtier connector: kv_load_failure_policy=%r; with 'recompute' a page evicted between lookup and "
@@ -161,11 +167,13 @@ class KVTierConnector(KVConnectorBase_V1):
             events = vllm_config.kv_events_config
             self._scheduler = KVTierScheduler(
                 self._link, self.config, block_size, do_load=transfer.is_kv_consumer, do_save=transfer.is_kv_producer,
-                events=bool(events and events.enable_kv_cache_events),
+                workers=shape.workers, events=bool(events and events.enable_kv_cache_events),
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
             )
         else:
-            self._worker = KVTierWorker(self._link, vllm_config, self.layout, layer_names, self.config.kv_cache_format)
+            part = _worker_slice(shape, self.layout, kv_cache_config, layer_names)
+            self._worker = KVTierWorker(self._link, vllm_config, self.layout, layer_names, self.config.kv_cache_format,
+                                        part)
         log.info(
             "kvtier connector (%s) registered namespace %r at %s: %s",
             side, self.config.namespace, self.config.target, self.layout,

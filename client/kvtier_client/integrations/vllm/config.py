@@ -1,5 +1,6 @@
 """The connector's settings: `kv_connector_extra_config` checked into a `ConnectorConfig`,
-and what vLLM's own configuration implies (the page layout, the namespace, one worker).
+and the namespace vLLM's own configuration implies (the page layout and the parallel shape
+are kvtier_client.integrations.vllm.shapes').
 
 Every key is listed in the package docstring and in docs/integrations.md.
 """
@@ -12,11 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier_client.client import KVTierClient
 from kvtier_client.connection import Backoff, TLSConfig
-from kvtier_client.layout import DTYPE_BYTES, PageLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: kv_connector_extra_config keys this connector reads.
 CONFIG_KEYS = (
@@ -117,9 +116,9 @@ class ConnectorConfig:
             prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
         )
 
-    def client(self, name: str) -> KVTierClient:
+    def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:
         return KVTierClient(
-            self.target, token=self.token, tls=self.tls, insecure=self.insecure, name=name,
+            self.target, token=self.token, tls=self.tls, insecure=self.insecure, name=name, map_arena=map_arena,
             backoff=Backoff(total=self.connect_timeout), timeout=max(30.0, self.connect_timeout),
         )
 
@@ -131,50 +130,3 @@ def default_namespace(vllm_config: VllmConfig) -> str:
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
     return "vllm/" + str(served or model.model).lstrip("/")
-
-
-def page_layout_for(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[PageLayout, list[str]]:
-    """The kvtier page layout of this engine's KV cache, and its attention layers in page order."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"kvtier connector: this model has {len(groups)} KV cache groups (sliding-window, linear or "
-            "other non-full attention layers); the connector supports models whose layers all use full attention"
-        )
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"kvtier connector: KV cache spec {type(spec).__name__} is not supported (full attention only)")
-    if getattr(spec, "sliding_window", None) is not None:
-        raise ValueError("kvtier connector: sliding-window attention is not supported")
-    head_v = getattr(spec, "head_size_v", spec.head_size)
-    if head_v != spec.head_size:
-        raise ValueError(f"kvtier connector: K head size {spec.head_size} differs from V head size {head_v}")
-    if spec.block_size != block_size:
-        raise ValueError(f"kvtier connector: KV spec block size {spec.block_size} differs from cache block size {block_size}")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"kvtier connector: KV cache dtype {dtype} has no kvtier page dtype ({', '.join(DTYPE_BYTES)})")
-    layers = list(groups[0].layer_names)
-    layout = PageLayout(
-        layers=len(layers), kv_heads=spec.num_kv_heads, head_dim=spec.head_size, block_tokens=spec.block_size, dtype=dtype
-    )
-    return layout, layers
-
-
-def check_parallel(vllm_config: VllmConfig) -> None:
-    """Refuse more than one worker per engine (the connector does not shard pages yet)."""
-    pc = vllm_config.parallel_config
-    sizes = {
-        "tensor_parallel_size": pc.tensor_parallel_size,
-        "pipeline_parallel_size": pc.pipeline_parallel_size,
-        "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),
-        "decode_context_parallel_size": getattr(pc, "decode_context_parallel_size", 1),
-    }
-    wide = {k: v for k, v in sizes.items() if v != 1}
-    if wide:
-        raise ValueError(
-            f"kvtier connector: {wide} is not supported yet; run one worker per engine "
-            "(data parallel engines each with their own connector are fine)"
-        )

@@ -37,7 +37,8 @@ class DaemonLink:
     @classmethod
     def open(cls, config: ConnectorConfig, layout: PageLayout, side: str) -> DaemonLink:
         """Connect and register, or fail the engine's start with what to check."""
-        kv = config.client(f"vllm {side} pid {os.getpid()}")
+        # The scheduler only borrows and commits pages the workers write: it maps no memory.
+        kv = config.client(f"vllm {side} pid {os.getpid()}", map_arena=side == "worker")
         try:
             kv.register(config.namespace, layout)
         except KVTierError as exc:

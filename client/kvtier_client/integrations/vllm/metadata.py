@@ -25,27 +25,29 @@ class LoadOp:
 
 @dataclass
 class SaveOp:
-    """Store vLLM blocks `block_ids` as the pages of `keys`: the request's prompt blocks from
-    block `first` on. `parent` is the key before keys[0]; `token_ids` are the blocks' tokens,
-    which the daemon carries in its own KV events (docs/events.md)."""
+    """Write vLLM blocks `block_ids` into the scheduler's borrowed host pages `slots` (same
+    length): the request's prompt blocks from block `first` on. Each worker writes its part
+    of each page (kvtier_client.integrations.vllm.shapes); the scheduler commits the pages
+    under their keys once every worker has reported its part written."""
 
     req_id: str
     first: int
     block_ids: list[int]
-    keys: list[BlockKey]
-    parent: BlockKey | None
-    token_ids: list[int]
+    slots: list[int]
 
 
 @dataclass
 class SaveOutcome:
-    """What became of one SaveOp: `new` holds the indices (into its keys) of the pages the
-    daemon took; the others were cached already. None: nothing was stored (no free pages,
-    daemon unreachable)."""
+    """What the workers did with one SaveOp: `ranks` reported, `ok` if every one of them
+    wrote its part (the scheduler commits only when all the engine's workers did)."""
 
     req_id: str
     first: int
-    new: tuple[int, ...] | None
+    ok: bool
+    ranks: frozenset[int]
+
+    def merge(self, other: SaveOutcome) -> SaveOutcome:
+        return SaveOutcome(self.req_id, self.first, self.ok and other.ok, self.ranks | other.ranks)
 
 
 @dataclass
@@ -60,7 +62,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler after a step: how long the forward pass took and how fast loaded
     pages were copied into vLLM's blocks (for the planner), and what each save became (for
-    the request's counts and the KV events)."""
+    the commit). vLLM merges the reports of all the engine's workers with `aggregate`."""
 
     step_tokens: int = 0
     prefill_tokens: int = 0
@@ -70,11 +72,16 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     saves: list[SaveOutcome] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # One worker per engine (config.check_parallel): there is nothing to merge but timings.
+        """Workers run in lockstep: the step took as long as the slowest, copies add up, and
+        each save's outcome is the merge of every worker's."""
         if not isinstance(other, KVTierWorkerMetadata):
             return self
+        saves = {(s.req_id, s.first): s for s in self.saves}
+        for s in other.saves:
+            key = (s.req_id, s.first)
+            saves[key] = saves[key].merge(s) if key in saves else s
         return KVTierWorkerMetadata(
             max(self.step_tokens, other.step_tokens), max(self.prefill_tokens, other.prefill_tokens),
             max(self.forward_seconds, other.forward_seconds), self.copy_bytes + other.copy_bytes,
-            max(self.copy_seconds, other.copy_seconds), self.saves or other.saves,
+            max(self.copy_seconds, other.copy_seconds), list(saves.values()),
         )

@@ -17,9 +17,13 @@ it at the request's lookup, vLLM's own prefix cache did not serve it (the reques
 tokens when it was scheduled: the request that put those blocks in vLLM's cache computed
 and stored them), and no other live request of this engine is storing it (`_storing`:
 prompts sharing a prefix that are scheduled in one step, or chunk by chunk side by side).
-The worker reports which pages the daemon took: a block the daemon already had (another
-engine stored it meanwhile) comes off the request's `stored_blocks`, and the keys of a save
-that failed are freed so that a later request stores them.
+The scheduler borrows the pages of a save when it sends the SaveOp, each worker writes its
+part of them (its heads of its layers: kvtier_client.integrations.vllm.shapes), and once
+every worker of the engine has reported its part written, the scheduler commits them: a
+page is never visible half written, whatever the parallel shape. A block the daemon already
+had (another engine stored it meanwhile) comes off the request's `stored_blocks`; the pages
+of a save some worker did not write are released, and its keys freed so that a later
+request stores them.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_client.errors import KVTierError
+from kvtier_client.errors import CapacityError, KVTierError
 from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
 from kvtier_client.integrations.vllm.link import DaemonLink, log
@@ -49,6 +53,7 @@ from kvtier_client.integrations.vllm.metadata import (
 )
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
 from kvtier_client.keys import BlockKey
+from kvtier_client.leases import WriteLease
 from kvtier_client.results import LookupResult
 from kvtier_client.tiers import Tier
 
@@ -65,6 +70,9 @@ _TIER_SOURCES = {
     Tier.DEVICE: CacheHitSource.DEVICE, Tier.HOST: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK,
     Tier.CLUSTER: CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+#: A save whose workers' reports have not all arrived after this many step outputs is given
+#: up (its pages released): each worker reports a save in the output of the step that ran it.
+SAVE_REPORT_STEPS = 8
 #: KV events: committed pages land in kvtier's host tier, node-local memory: vLLM's CPU
 #: medium (as its own offloading connector names host RAM), LOCAL, owned by "kvtier".
 EVENT_MEDIUM = MEDIUM_CPU
@@ -93,11 +101,16 @@ class _RequestState:
 
 @dataclass
 class _SentSave:
-    """A SaveOp waiting for the worker's outcome, with the BlockStored payload of its blocks
-    (taken while the request was alive; None without KV events)."""
+    """A SaveOp waiting for the workers' outcome: its borrowed pages, what to commit them
+    as, and the BlockStored payload of its blocks (taken while the request was alive; None
+    without KV events)."""
 
+    lease: WriteLease
     keys: list[BlockKey]
+    parent: BlockKey | None
+    token_ids: list[int]
     event: _BlockPayload | None
+    sent_at: int  # the scheduler's count of step outputs when it was sent
 
 
 @dataclass
@@ -145,14 +158,16 @@ def request_salt(base: bytes, request: Request) -> bytes:
 
 
 class KVTierScheduler:
-    """The scheduler half of KVTierConnector: one per engine core. `events`: keep BlockStored
-    events for vLLM's KV event publisher (when the engine enables them); `hash_block_size`:
-    the granularity of vLLM's request block hashes (the block size, for one KV cache group)."""
+    """The scheduler half of KVTierConnector: one per engine core. `workers`: the engine's
+    workers, each of which must report a save before it is committed; `events`: keep
+    BlockStored events for vLLM's KV event publisher (when the engine enables them);
+    `hash_block_size`: the granularity of vLLM's request block hashes (the block size, for
+    one KV cache group)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, link: DaemonLink, config: ConnectorConfig, block_size: int, *, do_load: bool,
-                 do_save: bool, events: bool = False, hash_block_size: int | None = None) -> None:
+                 do_save: bool, workers: int = 1, events: bool = False, hash_block_size: int | None = None) -> None:
         self.link = link
         self.kv = link.kv
         self.config = config
@@ -160,6 +175,7 @@ class KVTierScheduler:
         self.hash_block_size = hash_block_size or block_size
         self.do_load = do_load
         self.do_save = do_save
+        self.workers = frozenset(range(workers))
         self.events = events
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, _RequestState] = {}
@@ -167,6 +183,7 @@ class KVTierScheduler:
         self._sent: dict[tuple[str, int], _SentSave] = {}  # (req_id, first block) -> a SaveOp not reported yet
         self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
+        self._outputs = 0  # step outputs seen (update_connector_output)
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
@@ -312,16 +329,30 @@ class KVTierScheduler:
             state.save_upto = first
         if full <= first:
             return
+        state.save_upto = full
+        lease = self._borrow(full - first, req_id)
+        if lease is None:
+            return  # a miss later; the blocks are not tried again for this request
         keys = list(state.keys[first:full])
         tokens = list(state.request.prompt_token_ids[first * self.block_size : full * self.block_size])
-        meta.saves.append(SaveOp(req_id, first, state.block_ids[first:full], keys,
-                                 state.keys[first - 1] if first else None, tokens))
+        meta.saves.append(SaveOp(req_id, first, state.block_ids[first:full], list(lease.slots)))
         for key in keys:
             self._storing[key] = req_id
         state.storing.extend(keys)
-        self._sent[(req_id, first)] = _SentSave(keys, self._payload(state.request, first, full))
+        self._sent[(req_id, first)] = _SentSave(lease, keys, state.keys[first - 1] if first else None, tokens,
+                                                self._payload(state.request, first, full), self._outputs)
         state.stored_blocks += full - first
-        state.save_upto = full
+
+    def _borrow(self, count: int, req_id: str) -> WriteLease | None:
+        """Host pages for the workers to write a save into, or None (counted as not stored)."""
+        try:
+            return self.kv.borrow(count)
+        except CapacityError as exc:
+            log.info("kvtier connector: no free pages to store %d blocks of request %s: %s", count, req_id, exc)
+        except KVTierError as exc:
+            self.link.failed(f"borrowing {count} pages", exc)
+        self._stats.add(store_failed_blocks=count)
+        return None
 
     def _payload(self, request: Request, first: int, end: int) -> _BlockPayload | None:
         """The BlockStored payload of prompt blocks [first, end), if KV events are on and vLLM
@@ -342,12 +373,13 @@ class KVTierScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._outputs += 1
         meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, KVTierWorkerMetadata):
-            return
-        for outcome in meta.saves:
-            self._saved(outcome)
-        if self.planner is None:
+        if isinstance(meta, KVTierWorkerMetadata):
+            for outcome in meta.saves:
+                self._saved(outcome)
+        self._give_up_unreported()
+        if not isinstance(meta, KVTierWorkerMetadata) or self.planner is None:
             return
         self.planner.observe_copy(meta.copy_bytes, meta.copy_seconds)
         # A step that was mostly prompt tokens measures the prefill rate.
@@ -356,21 +388,63 @@ class KVTierScheduler:
             log.debug("kvtier connector: prefill of %d tokens took %.4fs", meta.step_tokens, meta.forward_seconds)
 
     def _saved(self, outcome: SaveOutcome) -> None:
-        """The worker's word on one SaveOp: count only what the daemon took, announce it, and
-        free the keys of a save that failed so another request can store them."""
+        """The workers' word on one SaveOp: commit its pages if every worker wrote its part,
+        else release them; count only what the daemon took, announce it, and free the keys
+        of a save that failed so another request can store them."""
         sent = self._sent.pop((outcome.req_id, outcome.first), None)
         if sent is None:
-            return  # sent before a reset_cache
-        state = self._requests.get(outcome.req_id)
-        new = outcome.new or ()
+            return  # given up already (SAVE_REPORT_STEPS)
+        new = None
+        if outcome.ok and outcome.ranks >= self.workers:
+            new = self._commit(sent, outcome.req_id)
+        else:
+            missing = sorted(self.workers - outcome.ranks)
+            log.warning("kvtier connector: %d blocks of request %s not stored: %s", len(sent.keys), outcome.req_id,
+                        f"workers {missing} did not report" if missing else "a worker could not write its part")
+            self._release(sent.lease)
+        self._settle(outcome.req_id, sent, new)
+
+    def _commit(self, sent: _SentSave, req_id: str) -> tuple[int, ...] | None:
+        """Commit a save's pages; the indices of the keys the daemon took (None: failed)."""
+        try:
+            result = sent.lease.commit(sent.keys, parent=sent.parent, token_ids=sent.token_ids)
+        except KVTierError as exc:
+            self.link.failed(f"storing {len(sent.keys)} pages of request {req_id}", exc)
+            self._release(sent.lease)
+            return None
+        duplicates = set(result.duplicates)
+        self._stats.add(store_blocks=len(sent.keys) - len(duplicates), store_duplicate_blocks=len(duplicates))
+        return tuple(i for i in range(len(sent.keys)) if i not in duplicates)
+
+    def _settle(self, req_id: str, sent: _SentSave, new: tuple[int, ...] | None) -> None:
+        state = self._requests.get(req_id)
         if state is not None:
-            state.stored_blocks -= len(sent.keys) - len(new)
-        if outcome.new is None:
+            state.stored_blocks -= len(sent.keys) - len(new or ())
+        if new is None:
+            self._stats.add(store_failed_blocks=len(sent.keys))
             for key in sent.keys:
-                if self._storing.get(key) == outcome.req_id:
+                if self._storing.get(key) == req_id:
                     del self._storing[key]
         elif sent.event is not None:
             self._events.extend(sent.event.events(new, self.block_size))
+
+    def _give_up_unreported(self) -> None:
+        """Release the pages of saves whose reports never came (SAVE_REPORT_STEPS)."""
+        late = [key for key, sent in self._sent.items() if self._outputs - sent.sent_at > SAVE_REPORT_STEPS]
+        for req_id, first in late:
+            sent = self._sent.pop((req_id, first))
+            log.warning("kvtier connector: no worker report for %d blocks of request %s after %d steps; not stored",
+                        len(sent.keys), req_id, SAVE_REPORT_STEPS)
+            self._release(sent.lease)
+            self._settle(req_id, sent, None)
+
+    def _release(self, lease: WriteLease) -> None:
+        if lease.ended:
+            return
+        try:
+            lease.release()
+        except KVTierError as exc:
+            log.warning("kvtier connector: could not release lease %s: %s", lease.lease_id, exc)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []
@@ -380,12 +454,11 @@ class KVTierScheduler:
         return self._stats.take()
 
     def reset_cache(self) -> bool:
-        """vLLM's reset_prefix_cache(reset_connector=True): forget what is in flight (the keys
-        being stored, saves and events not reported yet) and say False: kvtier's pages are not
+        """vLLM's reset_prefix_cache(reset_connector=True): forget which keys are being stored
+        and the KV events not taken yet, and say False: kvtier's pages are not
         dropped. They belong to the namespace, which other engines share and which outlives
         this one; KV computed with other weights needs another namespace."""
-        self._storing.clear()
-        self._sent.clear()
+        self._storing.clear()  # (saves in flight still end as the workers report them)
         self._events.clear()
         for state in self._requests.values():
             state.storing.clear()

@@ -2,11 +2,18 @@
 and the copies between them.
 
     register_kv_caches   per layer, a view of vLLM's KV shaped [num_blocks, 2, block, kv_heads, head_dim]
-    start_load_kv        acquire -> copy the pages into their blocks (batched, below) -> release
-    save_kv_layer        first layer: borrow; each layer: copy that layer of the blocks into the pages
-    wait_for_save        copy the layers no hook handed over -> commit
+                         (MLA: [num_blocks, block, 1, latent_dim])
+    start_load_kv        acquire -> copy this worker's part of the pages into their blocks -> release
+    save_kv_layer        each layer: copy that layer of the blocks into this worker's part of the
+                         pages the scheduler borrowed (SaveOp.slots)
+    wait_for_save        copy the layers no hook handed over; report each save written (the
+                         scheduler commits once every worker has)
     build_connector_worker_meta   forward time, copy rate, what each save became (to the scheduler)
     get_kv_connector_stats        counters (stats.py)
+
+A worker holds part of every page (kvtier_client.integrations.vllm.shapes.WorkerSlice): its
+heads of its layers. `_parts` cuts a page into those, one view per local layer, so the
+copies below see the page as if it held only what this worker holds.
 
 Copies: a page is [layers, 2, block, kv_heads, head_dim]; one layer of it goes to one vLLM
 block, in vLLM's head-major order, so each copy is strided (runs of head_dim elements) and
@@ -40,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier_client.client import Wait
-from kvtier_client.errors import CapacityError, KVTierError
+from kvtier_client.errors import KVTierError
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import (
     KVTierConnectorMetadata,
@@ -49,9 +56,9 @@ from kvtier_client.integrations.vllm.metadata import (
     SaveOp,
     SaveOutcome,
 )
+from kvtier_client.integrations.vllm.shapes import WorkerSlice
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
 from kvtier_client.layout import PageLayout
-from kvtier_client.leases import WriteLease
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,10 +73,10 @@ CPU_BACKENDS = frozenset({"CPU_ATTN"})
 
 @dataclass
 class _PendingSave:
-    """A SaveOp of this step: its borrowed pages (each as its layers) and the layers copied."""
+    """A SaveOp of this step: this worker's parts of its pages (each as its local layers)
+    and the layers copied."""
 
     op: SaveOp
-    lease: WriteLease
     page_layers: list[tuple[torch.Tensor, ...]]
     done: set[int] = field(default_factory=set)
 
@@ -117,15 +124,14 @@ class CopyThreads:
             self._pool.shutdown()
 
 
-def load_pages(views: list[torch.Tensor], pages: list[torch.Tensor], block_ids: list[int],
+def load_pages(views: list[torch.Tensor], pages: list[tuple[torch.Tensor, ...]], block_ids: list[int],
                threads: CopyThreads) -> None:
-    """Copy kvtier pages [layers, 2, block, kv_heads, head_dim] into the blocks `block_ids` of
-    vLLM's per-layer views [num_blocks, 2, block, kv_heads, head_dim]: per thread and layer,
-    one `_foreach_copy_` for that thread's pages."""
-    def load(chunk: list[tuple[torch.Tensor, int]]) -> None:
-        page_layers = [page.unbind(0) for page, _ in chunk]
+    """Copy kvtier pages (each as this worker's part of its layers, `KVTierWorker._parts`)
+    into the blocks `block_ids` of vLLM's per-layer views: per thread and layer, one
+    `_foreach_copy_` for that thread's pages."""
+    def load(chunk: list[tuple[tuple[torch.Tensor, ...], int]]) -> None:
         for layer, view in enumerate(views):
-            torch._foreach_copy_([view[block] for _, block in chunk], [layers[layer] for layers in page_layers])
+            torch._foreach_copy_([view[block] for _, block in chunk], [layers[layer] for layers, _ in chunk])
 
     threads.split(list(zip(pages, block_ids)), load)
 
@@ -145,11 +151,14 @@ class KVTierWorker:
     """The worker half of KVTierConnector: one per model runner."""
 
     def __init__(self, link: DaemonLink, vllm_config: VllmConfig, layout: PageLayout, layer_names: list[str],
-                 kv_cache_format: str) -> None:
+                 kv_cache_format: str, part: WorkerSlice) -> None:
         self.link = link
         self.kv = link.kv
         self.layout = layout
         self.layer_names = layer_names
+        self.part = part
+        #: Bytes of this worker's part of a page.
+        self._part_bytes = layout.page_bytes * len(part.page_layers) * part.heads // (layout.layers * layout.kv_heads)
         self.kv_cache_format = kv_cache_format
         self._vllm_config = vllm_config
         self._views: list[torch.Tensor] | None = None  # per layer, [num_blocks, 2, block, kv_heads, head_dim]
@@ -168,7 +177,9 @@ class KVTierWorker:
         if missing:
             raise ValueError(f"kvtier connector: no KV cache tensor for layers {missing}")
         kv_format = self.kv_cache_format
-        if kv_format == "auto":
+        if self.layout.order == "latent":
+            kv_format = "mla"
+        elif kv_format == "auto":
             kv_format = self._detect_format()
         self._views = [self._page_view(name, kv_caches[name], kv_format) for name in self.layer_names]
         log.info("kvtier connector: %d layers of KV (%s format, %s) mapped to kvtier pages %s",
@@ -192,28 +203,40 @@ class KVTierWorker:
         )
 
     def _page_view(self, name: str, kv: torch.Tensor, kv_format: str) -> torch.Tensor:
-        """A view of one layer's paged KV as [num_blocks, 2, block_size, kv_heads, head_dim]: the
-        same order as a kvtier page's [2, block_tokens, kv_heads, head_dim] for that layer."""
-        lay = self.layout
-        if kv.dim() != 4 or tuple(kv.shape[1:]) != (lay.kv_heads, lay.block_tokens, 2 * lay.head_dim):
-            raise ValueError(
-                f"kvtier connector: layer {name} KV tensor has shape {tuple(kv.shape)}, expected "
-                f"[num_blocks, {lay.kv_heads}, {lay.block_tokens}, {2 * lay.head_dim}]"
-            )
+        """A view of one layer's paged KV as [num_blocks, 2, block_size, heads, head_dim]
+        (MLA: [num_blocks, block_size, 1, latent_dim]): the same order as this worker's part
+        of a kvtier page's layer."""
+        lay, heads = self.layout, self.part.heads
         if str(kv.dtype).removeprefix("torch.") != lay.dtype:
             raise ValueError(f"kvtier connector: layer {name} KV dtype {kv.dtype} is not the page dtype {lay.dtype}")
+        if kv_format == "mla":
+            if kv.dim() != 3 or tuple(kv.shape[1:]) != (lay.block_tokens, lay.head_dim):
+                raise ValueError(f"kvtier connector: MLA layer {name} KV tensor has shape {tuple(kv.shape)}, expected "
+                                 f"[num_blocks, {lay.block_tokens}, {lay.head_dim}]")
+            return kv.unsqueeze(2)
+        if kv.dim() != 4 or tuple(kv.shape[1:]) != (heads, lay.block_tokens, 2 * lay.head_dim):
+            raise ValueError(
+                f"kvtier connector: layer {name} KV tensor has shape {tuple(kv.shape)}, expected "
+                f"[num_blocks, {heads}, {lay.block_tokens}, {2 * lay.head_dim}]"
+            )
         blocks = kv.shape[0]
         if kv_format == "cpu":
             # CPU_ATTN reads a block of one head as [2 * block_size, head_dim]: K rows, then V rows.
             inner = kv.stride()[1:]
             if inner != (lay.block_tokens * 2 * lay.head_dim, 2 * lay.head_dim, 1):
                 raise ValueError(f"kvtier connector: layer {name} KV strides {kv.stride()} are not head-major dense")
-            view = kv.view(blocks, lay.kv_heads, 2, lay.block_tokens, lay.head_dim)
+            view = kv.view(blocks, heads, 2, lay.block_tokens, lay.head_dim)
             return view.permute(0, 2, 3, 1, 4)
         if kv.stride(-1) != 1:
             raise ValueError(f"kvtier connector: layer {name} KV last dimension is not contiguous")
         view = kv.unflatten(-1, (2, lay.head_dim))  # [B, H, N, 2, D]
         return view.permute(0, 3, 2, 1, 4)
+
+    def _parts(self, page: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This worker's part of a page, per local layer: its heads of that page layer."""
+        start = self.part.head_start
+        heads = slice(start, start + self.part.heads)
+        return tuple(page[layer][..., heads, :] for layer in self.part.page_layers)
 
     # -- one step ----------------------------------------------------------------------
     def start_step(self) -> None:
@@ -238,12 +261,12 @@ class KVTierWorker:
         if self.link.available():
             try:
                 with self.kv.acquire(op.keys, wait=Wait.ALL) as lease:
-                    pages = list(lease.tensors())[: len(op.block_ids)]
+                    pages = [self._parts(page) for page in list(lease.tensors())[: len(op.block_ids)]]
                     started = time.perf_counter()
                     load_pages(self._views, pages, op.block_ids[: len(pages)], self._copy_threads)
                     self._report.copy_seconds += time.perf_counter() - started
                     copied = len(pages)
-                    self._report.copy_bytes += copied * self.layout.page_bytes
+                    self._report.copy_bytes += copied * self._part_bytes
             except KVTierError as exc:
                 self.link.failed(f"loading {len(op.keys)} pages of request {op.req_id}", exc)
         self._stats.add(load_blocks=copied, load_bytes=copied * self.layout.page_bytes,
@@ -256,45 +279,34 @@ class KVTierWorker:
         layer = self._layer_index.get(layer_name)
         if not isinstance(meta, KVTierConnectorMetadata) or not meta.saves or layer is None or self._views is None:
             return
+        if not self.part.writes:
+            return  # another rank writes the heads this one holds
         started = time.perf_counter()
-        for save in self._borrowed(meta.saves):
+        for save in self._this_step(meta.saves):
             save_layer(self._views[layer], save.page_layers, save.op.block_ids, layer, self._copy_threads)
             save.done.add(layer)
         elapsed = time.perf_counter() - started
         self._connector_seconds += elapsed
         self._stats.add(store_seconds=elapsed)
 
-    def _borrowed(self, saves: list[SaveOp]) -> list[_PendingSave]:
-        """This step's saves with their pages, borrowing them on the first call of the step; a
-        save that gets no pages is reported as not stored."""
-        if self._pending_saves is not None:
-            return self._pending_saves
-        self._pending_saves = []
-        for op in saves:
-            lease = None
-            if self.link.available():
-                try:
-                    lease = self.kv.borrow(len(op.keys))
-                except CapacityError as exc:
-                    log.info("kvtier connector: no free pages to store %d blocks of request %s: %s",
-                             len(op.keys), op.req_id, exc)
-                except KVTierError as exc:
-                    self.link.failed(f"borrowing {len(op.keys)} pages", exc)
-            if lease is None:
-                self._not_stored(op)
-                continue
-            self._pending_saves.append(_PendingSave(op, lease, [page.unbind(0) for page in lease.tensors()]))
+    def _this_step(self, saves: list[SaveOp]) -> list[_PendingSave]:
+        """This step's saves with this worker's parts of their pages (mapped on first use)."""
+        if self._pending_saves is None:
+            arena = self.kv.host_arena
+            if arena is None:
+                raise RuntimeError("kvtier connector: the worker's client does not map the host arena")
+            self._pending_saves = []
+            for op in saves:
+                for slot in op.slots:
+                    arena.prepare_write(slot)
+                self._pending_saves.append(_PendingSave(op, [self._parts(arena.torch(slot)) for slot in op.slots]))
         return self._pending_saves
-
-    def _not_stored(self, op: SaveOp) -> None:
-        self._report.saves.append(SaveOutcome(op.req_id, op.first, None))
-        self._stats.add(store_failed_blocks=len(op.keys))
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         if isinstance(meta, KVTierConnectorMetadata) and self._views is not None:
             forward_end = time.perf_counter()
-            for save in self._borrowed(meta.saves) if meta.saves else []:
-                self._finish_save(save)
+            if meta.saves:
+                self._finish_saves(meta.saves)
             self._pending_saves = None
             self._stats.add(store_seconds=time.perf_counter() - forward_end)
             if self._step_started is not None and meta.step_tokens:
@@ -305,37 +317,25 @@ class KVTierWorker:
                         meta.step_tokens, meta.prefill_tokens, seconds)
         self._step_started = None
 
-    def _finish_save(self, save: _PendingSave) -> None:
-        """Copy the layers no hook handed over (a CUDA graph replay skips the per-layer hooks),
-        then commit; report which pages the daemon took."""
-        assert self._views is not None
-        op = save.op
-        try:
-            for layer, view in enumerate(self._views):
-                if layer not in save.done:
-                    save_layer(view, save.page_layers, op.block_ids, layer, self._copy_threads)
-            result = save.lease.commit(op.keys, parent=op.parent, token_ids=op.token_ids)
-        except KVTierError as exc:
-            self.link.failed(f"storing {len(op.keys)} pages of request {op.req_id}", exc)
-            self._release(save.lease)
-            self._not_stored(op)
+    def _finish_saves(self, saves: list[SaveOp]) -> None:
+        """Copy the layers no hook handed over (a CUDA graph replay skips the per-layer hooks)
+        and report each save: written (or nothing to write: a replica), or not."""
+        rank = frozenset({self.part.rank})
+        if not self.part.writes:
+            self._report.saves.extend(SaveOutcome(op.req_id, op.first, True, rank) for op in saves)
             return
-        except BaseException:
-            self._release(save.lease)
-            raise
-        duplicates = set(result.duplicates)
-        new = tuple(i for i in range(len(op.keys)) if i not in duplicates)
-        self._report.saves.append(SaveOutcome(op.req_id, op.first, new))
-        self._stats.add(store_blocks=len(new), store_duplicate_blocks=len(duplicates),
-                        store_bytes=len(op.keys) * self.layout.page_bytes)
-
-    def _release(self, lease: WriteLease) -> None:
-        if lease.ended:
-            return
-        try:
-            lease.release()
-        except KVTierError as exc:
-            log.warning("kvtier connector: could not release lease %s: %s", lease.lease_id, exc)
+        for save in self._this_step(saves):
+            op, ok = save.op, True
+            try:
+                for layer, view in enumerate(self._views or ()):
+                    if layer not in save.done:
+                        save_layer(view, save.page_layers, op.block_ids, layer, self._copy_threads)
+            except (RuntimeError, ValueError) as exc:  # a torch copy error: the scheduler releases the pages
+                log.warning("kvtier connector: writing %d blocks of request %s failed: %s", len(op.slots), op.req_id, exc)
+                ok = False
+            self._report.saves.append(SaveOutcome(op.req_id, op.first, ok, rank))
+            if ok:
+                self._stats.add(store_bytes=len(op.slots) * self._part_bytes)
 
     # -- reports to vLLM ---------------------------------------------------------------
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
@@ -352,8 +352,7 @@ class KVTierWorker:
         return errors
 
     def shutdown(self) -> None:
-        """Release the pages of saves that never reached wait_for_save."""
-        for save in self._pending_saves or []:
-            self._release(save.lease)
+        """(The pages of saves in flight are the scheduler's: it releases them, or the daemon
+        does when the scheduler's session ends.)"""
         self._pending_saves = None
         self._copy_threads.close()
