@@ -30,7 +30,7 @@ def checks(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # A small copy shape keeps this quick; vllm_checks.py copies alone runs the full-size one.
-        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "copies", "--pages", "64",
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "keys", "copies", "--pages", "64",
                    "--layers", "4"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     finally:
@@ -103,3 +103,13 @@ def test_a_page_is_committed_only_when_every_rank_wrote_its_part(checks):
     assert m["stored"] == 0  # rank 1 never reported: the scheduler did not commit
     assert m["after"] == m["before"]  # nothing cached, no page left borrowed
     assert (m["then_loaded_tokens"], m["then_stored"]) == (0, 2)  # a miss; stored by the next engine
+
+
+def test_multimodal_prompts_are_keyed_as_vllm_hashes_them(checks):
+    """Equal token ids with different images (or none) share exactly the blocks vLLM's own
+    prefix cache would share: those before the image."""
+    k = checks["keys"]
+    assert k["blocks"] == 4
+    assert k["ours_equal"] == k["vllm_equal"]
+    assert k["ours_equal"]["AB"] == [True, False, False, False]  # the image starts in block 1
+    assert k["text_only_extras"] is None  # text prompts keep the keys they always had

@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier_client.errors import CapacityError, KVTierError
 from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
+from kvtier_client.integrations.vllm.extra_keys import block_extras
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import (
     KVTierConnectorMetadata,
@@ -189,9 +190,10 @@ class KVTierScheduler:
         state = self._requests.get(request.request_id)
         if state is not None:
             return state
-        if request.prompt_token_ids is None or request.mm_features:
-            return None  # prompt embeddings or multimodal inputs: their KV is not named by token ids
-        keys = self.kv.block_keys(request.prompt_token_ids, salt=request_salt(self.config.salt, request))
+        if request.prompt_token_ids is None:
+            return None  # prompt embeddings only: no token ids to name the KV by
+        keys = self.kv.block_keys(request.prompt_token_ids, salt=request_salt(self.config.salt, request),
+                                  extras=block_extras(request, self.block_size))
         state = _RequestState(request, keys, len(request.prompt_token_ids))
         self._requests[request.request_id] = state
         return state
