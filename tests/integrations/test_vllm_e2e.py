@@ -37,20 +37,11 @@ from pathlib import Path
 import pytest
 from daemon import start_daemon
 from kvtier_client import KVTierClient, Tier
+from vllm_engines import ENGINE_TIMEOUT, VLLM_PYTHON, assert_same_outputs, needs_vllm, run_engine
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-HELPER = Path(__file__).with_name("vllm_engine_run.py")
 BLOCK = 32  # tests/integrations/vllm_engine_run.py BLOCK_SIZE
-ENGINE_TIMEOUT = 600
 
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON} is absent: run scripts/setup_vllm.sh to create .venv-vllm (vLLM CPU + kvtier-client)",
-    ),
-    pytest.mark.timeout(3 * ENGINE_TIMEOUT),
-]
+pytestmark = [needs_vllm, pytest.mark.timeout(3 * ENGINE_TIMEOUT)]
 
 
 def _prompts() -> tuple[list[list[str]], list[list[str]]]:
@@ -70,27 +61,6 @@ def _prompts() -> tuple[list[list[str]], list[list[str]]]:
 def _distinct_blocks(prompts: list[list[str]]) -> int:
     """Full blocks of distinct content (a block is named by its whole prefix)."""
     return len({tuple(p[: (i + 1) * BLOCK]) for p in prompts for i in range(len(p) // BLOCK)})
-
-
-def _engine(tmp_path: Path, name: str, model: Path, prompts: Path, *args: str) -> dict:
-    out = tmp_path / f"{name}.json"
-    log_path = tmp_path / f"{name}.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_CPU_KVCACHE_SPACE="1")
-    command = [str(VLLM_PYTHON), str(HELPER), "run", "--model", str(model), "--prompts", str(prompts),
-               "--out", str(out), *args]
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                  timeout=ENGINE_TIMEOUT)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-    if code != 0 or not out.exists():
-        tail = log_path.read_text(errors="replace")[-6000:]
-        raise AssertionError(f"{name} engine run failed ({code}): {' '.join(command)}\n--- log tail ---\n{tail}")
-    return json.loads(out.read_text())
 
 
 def _host_pages(daemon) -> int:
@@ -117,16 +87,16 @@ def test_vllm_connector_end_to_end(tmp_path: Path, redis_cluster) -> None:
     node_b = start_daemon(tmp_path / "node-b", *cluster, host_size="32MiB", disk_size="64MiB")
     try:
         kv = ("--kvtier", daemon.target, "--namespace", "e2e/tiny-llama")
-        ref = _engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching",
+        ref = run_engine(tmp_path, "reference", model, prompt_file, "--build-model", "--in-process", "--no-prefix-caching",
                       "--batch-prompts", str(batch_file))
         # Prefill in chunks of 2 blocks: each chunk stores the blocks it completes.
-        cold = _engine(tmp_path, "cold", model, prompt_file, *kv, "--in-process", "--max-num-batched-tokens", "64")
+        cold = run_engine(tmp_path, "cold", model, prompt_file, *kv, "--in-process", "--max-num-batched-tokens", "64")
         after_cold = _host_pages(daemon)
-        warm = _engine(tmp_path, "warm", model, prompt_file, *kv, "--batch-prompts", str(batch_file),
+        warm = run_engine(tmp_path, "warm", model, prompt_file, *kv, "--batch-prompts", str(batch_file),
                        "--long-prefill-token-threshold", "64", "--kv-events", f"ipc://{tmp_path}/kv-events.sock",
                        "--stats")
         after_warm = _host_pages(daemon)
-        remote = _engine(tmp_path, "node-b", model, prompt_file, "--kvtier", node_b.target, "--namespace",
+        remote = run_engine(tmp_path, "node-b", model, prompt_file, "--kvtier", node_b.target, "--namespace",
                          "e2e/tiny-llama", "--in-process")
         with KVTierClient(node_b.target) as client:
             node_b_pool = next(p for p in client.stats().pools if p.layout.block_tokens == BLOCK)
@@ -171,12 +141,9 @@ def test_vllm_connector_end_to_end(tmp_path: Path, redis_cluster) -> None:
     assert node_b_pool.tier(Tier.CLUSTER).corrupt_pages == node_b_pool.tier(Tier.CLUSTER).io_errors == 0
 
     # Same greedy tokens as recomputing everything, and the same logprobs.
-    for got, want in [*zip(cold["results"], ref["results"]), *zip(warm["results"], ref["results"]),
-                      *zip(remote["results"], ref["results"]),
-                      *zip(warm["batch_results"], ref["batch_results"])]:
-        assert got["prompt_token_ids"] == want["prompt_token_ids"]
-        assert got["token_ids"] == want["token_ids"]
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
+    for run in (cold, warm, remote):
+        assert_same_outputs(run["results"], ref["results"])
+    assert_same_outputs(warm["batch_results"], ref["batch_results"])
 
     # The daemon holds each distinct block once, and the cold run says it stored exactly those.
     assert after_cold == _distinct_blocks(prompts) == sum(c["stored_blocks"] for c in cold_kv)

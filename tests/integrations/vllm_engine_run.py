@@ -6,7 +6,7 @@
     vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model]
                            [--kvtier TARGET --namespace NS] [--no-prefix-caching] [--in-process]
                            [--max-tokens N] [--max-num-batched-tokens N] [--long-prefill-token-threshold N]
-                           [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats]
+                           [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats] [--tp N]
         (--build-model: build MODEL_DIR first, in this process) run the prompts one
         generate() call after another (greedy) and write, per prompt,
         the prompt and generated token ids, the generated tokens' logprobs, vLLM's
@@ -18,7 +18,8 @@
         boundaries. --kv-events publishes vLLM's KV events on a ZeroMQ ENDPOINT (ipc://...)
         and records the BlockStored events the connector made (ownership "kvtier") and the
         block hashes of vLLM's own; --stats turns vLLM's stats on and records the connector's
-        Prometheus counters (vllm:kvtier_*) from LLM.get_metrics().
+        Prometheus counters (vllm:kvtier_*) from LLM.get_metrics(). --tp runs N tensor-parallel
+        worker processes, one CPU core each.
 
 Everything runs offline: no hub, no usage stats. vLLM is imported only under `__main__`
 (its engine starts worker processes that re-import this file).
@@ -135,6 +136,10 @@ def run(args: argparse.Namespace) -> None:
             kv_connector_extra_config={"target": args.kvtier, "namespace": args.namespace, "salt": "e2e"},
         )
     options = {}
+    if args.tp > 1:
+        # One core per rank: this machine has one NUMA node, so vLLM's CPU backend needs the binding said.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+        options.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.long_prefill_token_threshold:
@@ -187,6 +192,7 @@ def main() -> None:
     r.add_argument("--in-process", action="store_true")
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--max-tokens", type=int, default=12)
+    r.add_argument("--tp", type=int, default=1, help="tensor parallel size (one CPU core per rank)")
     r.add_argument("--max-num-batched-tokens", type=int, help="small values split prompts into prefill chunks")
     r.add_argument("--long-prefill-token-threshold", type=int,
                    help="at most this many prompt tokens per request and step (requests prefill side by side)")
