@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# On a GPU machine: run every GPU test (kernels against their CPU references, the copy
+# On a GPU machine: run every GPU test (kernels against their CPU references, among them the
+# vLLM block <-> page kernel with device and pinned host pages, whose bandwidth against one
+# cudaMemcpyAsync of the same bytes it prints (issue 26's target: >= 0.8x), the copy
 # engine's promote/demote integrity over both device arenas, the round trip between a real
 # daemon and a client process, device memory per namespace: tenant B's process cannot read
 # tenant A's device pages, and promotion over it is as fast as over one allocation), then
@@ -31,7 +33,7 @@ fi
 # The tables are printed even when a test fails; the exit status is the tests' (or the bench's).
 status=0
 "$PYTHON" -m pytest -o addopts= --noconftest -p no:cacheprovider -m gpu -q -rsP \
-  tests/client/test_kernels_gpu.py tests/mechanism/test_device_gpu.py \
+  tests/client/test_kernels_gpu.py tests/client/test_kernels_vllm.py tests/mechanism/test_device_gpu.py \
   tests/mechanism/test_device_isolation_gpu.py "$@" || status=$?
 "$PYTHON" -m kvtier_bench.gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"

@@ -235,7 +235,8 @@ def _module(source: str) -> Any:
     return cupy.RawModule(code=code, options=("--std=c++14",))
 
 
-def _kernel(source: str, name: str) -> Any:
+def kernel_function(source: str, name: str) -> Any:
+    """Kernel `name` of `source` (a file in cuda/), compiled for the current CuPy device."""
     return _module(source).get_function(name)
 
 
@@ -262,7 +263,7 @@ def copy_pages_gpu(src: Any, dst: Any, pairs: Any, page_bytes: int) -> None:
     if len(pairs) == 0:
         return
     total = len(pairs) * (page_bytes // VECTOR_BYTES)
-    _kernel("page_copy.cu", "kvtier_copy_pages")(
+    kernel_function("page_copy.cu", "kvtier_copy_pages")(
         (_grid(total),),
         (THREADS,),
         (src, dst, _device_pairs(pairs), cupy.int64(len(pairs)), cupy.int64(page_bytes)),
@@ -281,7 +282,7 @@ def _convert_gpu(layer_tensors: Sequence[Any], pages: Any, pairs: Any, scatter: 
     name = f"kvtier_{'scatter' if scatter else 'gather'}_{'v16' if vector else 'b1'}"
     layer_ptrs = cupy.asarray(np.array(pointers[:-1], dtype=np.uint64))
     total = len(pairs) * kv.layers * 2 * (kv.row_bytes // unit)
-    _kernel("kv_gather_scatter.cu", name)(
+    kernel_function("kv_gather_scatter.cu", name)(
         (_grid(total),),
         (THREADS,),
         (layer_ptrs, pages, _device_pairs(pairs), cupy.int64(len(pairs)), cupy.int32(kv.layers), cupy.int64(kv.row_bytes)),
