@@ -23,6 +23,13 @@ class WaitPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAIT_ALL: _ClassVar[WaitPolicy]
     WAIT_DEADLINE: _ClassVar[WaitPolicy]
 
+class GroupMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_MODE_UNSPECIFIED: _ClassVar[GroupMode]
+    GROUP_FULL: _ClassVar[GroupMode]
+    GROUP_WINDOW: _ClassVar[GroupMode]
+    GROUP_STATE: _ClassVar[GroupMode]
+
 class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BLOCK_STATE_UNSPECIFIED: _ClassVar[BlockState]
@@ -48,6 +55,10 @@ WAIT_POLICY_UNSPECIFIED: WaitPolicy
 WAIT_NONE: WaitPolicy
 WAIT_ALL: WaitPolicy
 WAIT_DEADLINE: WaitPolicy
+GROUP_MODE_UNSPECIFIED: GroupMode
+GROUP_FULL: GroupMode
+GROUP_WINDOW: GroupMode
+GROUP_STATE: GroupMode
 BLOCK_STATE_UNSPECIFIED: BlockState
 BLOCK_CACHED: BlockState
 BLOCK_NEVER_STORED: BlockState
@@ -265,6 +276,42 @@ class AcquirePrefixResponse(_message.Message):
     lookup: LookupResponse
     lease: AcquireResponse
     def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., lease: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
+
+class GroupQuery(_message.Message):
+    __slots__ = ("layout", "keys", "mode", "window_blocks")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    layout: PageLayout
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    mode: GroupMode
+    window_blocks: int
+    def __init__(self, layout: _Optional[_Union[PageLayout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GroupMode, str]] = ..., window_blocks: _Optional[int] = ...) -> None: ...
+
+class LookupGroupsRequest(_message.Message):
+    __slots__ = ("session_id", "groups")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[GroupQuery]
+    def __init__(self, session_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupQuery, _Mapping]]] = ...) -> None: ...
+
+class GroupHit(_message.Message):
+    __slots__ = ("first_block", "tiers")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, first_block: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class LookupGroupsResponse(_message.Message):
+    __slots__ = ("hit_blocks", "groups")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupHit]
+    def __init__(self, hit_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHit, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")

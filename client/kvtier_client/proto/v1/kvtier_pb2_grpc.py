@@ -75,6 +75,11 @@ class KVTierStub:
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.SerializeToString,
                 response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.FromString,
                 _registered_method=True)
+        self.LookupGroups = channel.unary_unary(
+                '/kvtier.v1.KVTier/LookupGroups',
+                request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsRequest.SerializeToString,
+                response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvtier.v1.KVTier/Release',
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
@@ -158,6 +163,12 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AcquirePrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupGroups(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -247,6 +258,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.AcquirePrefix,
                     request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.FromString,
                     response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.SerializeToString,
+            ),
+            'LookupGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupGroups,
+                    request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsRequest.FromString,
+                    response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -500,6 +516,33 @@ class KVTier:
             '/kvtier.v1.KVTier/AcquirePrefix',
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixRequest.SerializeToString,
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.AcquirePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/LookupGroups',
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsRequest.SerializeToString,
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.LookupGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,
