@@ -8,6 +8,8 @@
     acquire_prefix         lookup, then acquire of the hit prefix, under one lock where no
                            cluster is asked
     prefetch               starts loads nobody waits for; a hint, best effort
+    holdings, count_group  a hybrid model's group lookup, one group at a time
+                           (kvtier.core.groups): what each key holds, then the counts
 
 `acquire` and the local prefetch run inside the write path's request loop
 (kvtier.core.writes.Writes.run, passed in as `run`): making room may first need host pages
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier_client.errors import CapacityError, InvalidArgument, NotFound
@@ -56,7 +58,7 @@ class Reads:
         if self.cluster is None:
             with self._lock:
                 tiers = self._lookup_local(namespace, keys)
-                self._count_misses(namespace, keys, len(tiers))
+                self._count_misses(namespace, keys[len(tiers):], len(keys))
             return PrefixMatch(len(tiers), tuple(tiers))
         with self._lock:
             tiers = self._lookup_local(namespace, keys)
@@ -64,36 +66,54 @@ class Reads:
         with self._lock:
             self.index.namespaces[namespace].hits[Tier.CLUSTER] += found
             tiers += [Tier.CLUSTER] * found
-            self._count_misses(namespace, keys, len(tiers))
+            self._count_misses(namespace, keys[len(tiers):], len(keys))
         return PrefixMatch(len(tiers), tuple(tiers))
 
     def _lookup_local(self, namespace: str, keys: list[bytes]) -> list[Tier]:
         """The fastest tier of each block of the prefix this node holds; counts the hits."""
-        index = self.index
         tiers: list[Tier] = []
-        blocks = index.blocks
+        blocks = self.index.blocks
         for key in keys:
             block = blocks.get((namespace, key))
             if block is None:
                 break
             tiers.append(min(block.copies))  # block.best_tier, without the property call
+        self._count_hits(namespace, tiers)
+        return tiers
+
+    def _count_hits(self, namespace: str, tiers: Sequence[Tier]) -> None:
+        index = self.index
         usage = index.namespaces[namespace]
         for tier, n in Counter(tiers).items():
             index.tiers[tier].counters.hits += n
             usage.hits[tier] += n
-        return tiers
 
-    def _count_misses(self, namespace: str, keys: list[bytes], hit: int) -> None:
+    def _count_misses(self, namespace: str, missed: list[bytes], looked_up: int) -> None:
+        """`looked_up` blocks were asked for, of which `missed` (keys) were not served."""
         index = self.index
         usage = index.namespaces[namespace]
-        missed = len(keys) - hit
         requests = index.requests
-        requests.lookup_blocks += len(keys)
-        requests.miss_blocks += missed
-        usage.lookup_blocks += len(keys)
-        usage.miss_blocks += missed
+        requests.lookup_blocks += looked_up
+        requests.miss_blocks += len(missed)
+        usage.lookup_blocks += looked_up
+        usage.miss_blocks += len(missed)
         if missed:
-            index.count_misses(namespace, keys[hit:])
+            index.count_misses(namespace, missed)
+
+    # -- a hybrid model's groups (kvtier.core.groups) ---------------------------------
+    def holdings(self, namespace: str, keys: list[bytes]) -> tuple[Tier | None, ...]:
+        """(kvtier.core.store.BlockStore.holdings says what.)"""
+        check_namespace(namespace)
+        check_keys(keys)
+        with self._lock:
+            blocks = self.index.blocks
+            return tuple(min(b.copies) if (b := blocks.get((namespace, key))) is not None else None for key in keys)
+
+    def count_group(self, namespace: str, keys: list[bytes], hits: Sequence[Tier], hit_blocks: int) -> None:
+        """(kvtier.core.store.BlockStore.count_group says what; kvtier.core.groups why.)"""
+        with self._lock:
+            self._count_hits(namespace, hits)
+            self._count_misses(namespace, keys[hit_blocks:], len(hits) + len(keys) - hit_blocks)
 
     # -- acquire --------------------------------------------------------------------
     def acquire(self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier,

@@ -22,6 +22,24 @@ class PrefixMatch:
 
 
 @dataclass(frozen=True)
+class GroupPages:
+    """What one group of a group lookup needs to restore the prefix: the blocks
+    [first_block, first_block + len(tiers)), `tiers[i]` the fastest tier holding each."""
+
+    first_block: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True)
+class GroupsMatch:
+    """The first `hit_blocks` blocks can be restored by every group; `groups[i]`: what
+    group i needs for it (kvtier.core.groups)."""
+
+    hit_blocks: int
+    groups: tuple[GroupPages, ...]
+
+
+@dataclass(frozen=True)
 class WriteGrant:
     """A borrow's answer: free pages leased for writing."""
 

@@ -13,7 +13,8 @@ This module is the façade: it validates a request, and hands it to the room tha
     writes.py    borrow, commit, disk writes (prepare, store, file), write-back, the stop
                  copy, and `run`: the loop every request runs in, writing pages to disk
                  outside the lock when an eviction needs them first
-    reads.py     lookup, acquire (the ready prefix, lent), acquire-prefix, prefetch
+    reads.py     lookup, acquire (the ready prefix, lent), acquire-prefix, prefetch; a
+                 group lookup's reads and counts (groups.py decides over several stores)
     cluster.py   the cluster tier: what it holds, loads from it, copies to it
     loads.py     disk -> host loads, host -> device promotions, waiting for them
     capacity.py  make room: the policy proposes victims, evictions demote or drop
@@ -60,7 +61,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import wraps
 
@@ -216,6 +217,16 @@ class BlockStore:
         keys after this node's prefix are asked of the cluster in one batch, outside the
         lock: its leading hits extend the prefix as CLUSTER."""
         return self._reads.lookup(namespace, keys)
+
+    def holdings(self, namespace: str, keys: list[bytes]) -> tuple[Tier | None, ...]:
+        """The fastest tier of each key's block (None: not cached), prefix or not; counts
+        nothing: a group lookup (kvtier.core.groups) counts once it knows the answer."""
+        return self._reads.holdings(namespace, keys)
+
+    def count_group(self, namespace: str, keys: list[bytes], hits: Sequence[Tier], hit_blocks: int) -> None:
+        """Count one group of a group lookup: `hits` (the tiers of the pages it needs) and
+        its keys after `hit_blocks` as misses (kvtier.core.groups says why these)."""
+        self._reads.count_group(namespace, keys, hits, hit_blocks)
 
     @_locked
     def explain(self, namespace: str, keys: list[bytes]) -> Explanation:
