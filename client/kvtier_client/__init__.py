@@ -15,6 +15,7 @@ from kvtier_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvtier_client.groups import GroupHit, GroupLookup, GroupMode, GroupQuery
 from kvtier_client.ids import LeaseId, SessionId, Slot
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, BlockKey, block_keys, hash_fingerprint, root_key
 from kvtier_client.layout import PageLayout
@@ -46,6 +47,10 @@ __all__ = [
     "DaemonRestarted",
     "Explanation",
     "FailedPrecondition",
+    "GroupHit",
+    "GroupLookup",
+    "GroupMode",
+    "GroupQuery",
     "InvalidArgument",
     "KVTierClient",
     "KVTierError",

@@ -35,8 +35,10 @@ from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
     BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
+    from_status,
 )
 from kvtier_client.events import EventStream
+from kvtier_client.groups import GroupLookup, GroupQuery, check_lengths
 from kvtier_client.handoff import DeviceGrant, attach, fetch_device_slots
 from kvtier_client.hotpath import GrpcPath, HotPath, LanePath
 from kvtier_client.lane import Lane, LaneBroken
@@ -416,6 +418,33 @@ class KVTierClient:
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading keys are cached, and the fastest tier of each."""
         return self._in_session(lambda s: s.path.lookup(keys))
+
+    def lookup_groups(self, groups: Sequence[GroupQuery]) -> GroupLookup:
+        """A hybrid model's lookup, in one call: the longest prefix (in blocks) for which
+        every KV cache group holds what it needs to restore it (every block, a trailing
+        window, or the state at the end: kvtier_client.groups), and which blocks each
+        group needs for it, in which tier. Counts each group's hits and misses in its own
+        pool.
+
+        Each group names its pool by layout (None: this client's); the namespace is this
+        client's for every group. A client holds one registration, so an engine registers
+        one client per group layout and may call this on any of them; a layout nobody
+        registered is NotFound. Over gRPC on either transport."""
+        check_lengths([len(group.keys) for group in groups])  # ValueError, before anything is sent
+        queries = [group.to_proto() for group in groups]
+        self._sync()
+
+        def call(session: _Session) -> pb.LookupGroupsResponse:
+            request = pb.LookupGroupsRequest(session_id=session.session_id, groups=queries)
+            try:
+                return self._conn.unary("LookupGroups", request, key=session.key)
+            except KVTierError as exc:
+                if exc.code != "UNIMPLEMENTED":
+                    raise
+                raise from_status("UNIMPLEMENTED", f"the daemon does not know LookupGroups (it predates it: {exc}); "
+                                                   "upgrade the daemon") from exc
+
+        return GroupLookup.from_proto(self._in_session(call))
 
     def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
         """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""

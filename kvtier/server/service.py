@@ -17,7 +17,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
 from kvtier_client.tiers import Tier
-from kvtier_client.wire import layout_from_proto, layout_to_proto, tier_to_proto
+from kvtier_client.wire import layout_to_proto, tier_to_proto
 
 from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
 from kvtier.core.results import PrefixMatch, ReadGrant
@@ -27,13 +27,14 @@ from kvtier.mechanism.bandwidth import Throughput
 from kvtier.server.auth import Authorizer
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
+from kvtier.server.groups import lookup_groups
 from kvtier.server.metrics import Metrics
 from kvtier.server.namespaces import NamespaceGate
 from kvtier.server.ops import HotOps, grant_fields
 from kvtier.server.pieces import PieceOrder
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.sessions import Caller, Session, SessionManager
-from kvtier.server.wire_guard import cut
+from kvtier.server.wire_guard import cut, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +83,7 @@ def _layout(request: pb.RegisterRequest) -> PageLayout:
             f"block-key fingerprint mismatch for {request.hash_algorithm}: client sent {cut(request.hash_fingerprint)!r}, "
             f"daemon computes {expected}; the client's key hashing differs from docs/block-keys.md, upgrade or fix it"
         )
-    # The layout's message quotes a bad dtype or order: quote it cut (a cut string, ending in
-    # an ellipsis, is never a valid name, so cutting changes no verdict).
-    layout = pb.PageLayout()
-    layout.CopyFrom(request.layout)
-    layout.dtype, layout.order = cut(layout.dtype), cut(layout.order)
-    try:
-        return layout_from_proto(layout)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None
+    return layout_of(request.layout)
 
 
 def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> list[pb.TierStats]:
@@ -239,6 +232,12 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         if lease is not None:  # nothing cached: `lease` stays unset (no lease to release)
             reply.lease.CopyFrom(_acquire_pb(lease))
         return reply
+
+    @_rpc
+    def LookupGroups(self, request, context) -> pb.LookupGroupsResponse:
+        match = lookup_groups(self._session(request.session_id, context), self.pools, request.groups)
+        return pb.LookupGroupsResponse(hit_blocks=match.hit_blocks, groups=[
+            pb.GroupHit(first_block=g.first_block, tiers=[tier_to_proto(t) for t in g.tiers]) for g in match.groups])
 
     @_rpc
     def Release(self, request, context) -> pb.ReleaseResponse:

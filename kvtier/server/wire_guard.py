@@ -24,6 +24,10 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from kvtier_client.errors import InvalidArgument
+from kvtier_client.layout import PageLayout
+from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.wire import layout_from_proto
 
 #: Caller strings in error messages and log lines are cut to this many characters.
 CALLER_TEXT_CHARS = 64
@@ -34,6 +38,19 @@ def cut(text: str, limit: int = CALLER_TEXT_CHARS) -> str:
     log line: a namespace or client name of megabytes must not travel back in a status (gRPC
     metadata has a size limit) or fill the log."""
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+def layout_of(message: pb.PageLayout) -> PageLayout:
+    """A caller's page layout (Register, LookupGroups); INVALID_ARGUMENT when malformed.
+    Its message quotes a bad dtype or order cut (a cut string, ending in an ellipsis, is
+    never a valid name, so cutting changes no verdict)."""
+    layout = pb.PageLayout()
+    layout.CopyFrom(message)
+    layout.dtype, layout.order = cut(layout.dtype), cut(layout.order)
+    try:
+        return layout_from_proto(layout)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 @dataclass(frozen=True)
