@@ -51,16 +51,19 @@ def dedupe(target: str) -> dict:
     from kvtier_client import KVTierClient, PageLayout, Tier
     from kvtier_client.integrations.vllm import ConnectorConfig, KVTierConnectorStats, KVTierScheduler, KVTierWorker
     from kvtier_client.integrations.vllm.link import DaemonLink
+    from kvtier_client.integrations.vllm.kv_groups import single_group
+    from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.shapes import WorkerSlice
 
     layout = PageLayout(LAYERS, HEADS, HEAD_DIM, block_tokens=BLOCK, dtype="float32")
     # No planner: with no model behind it, a "forward pass" takes microseconds and would make it recompute.
     config = ConnectorConfig.from_extra({"target": target, "namespace": "checks/dedupe", "planner": False},
                                         default_namespace="x")
-    scheduler = KVTierScheduler(DaemonLink.open(config, layout, "scheduler"), config, BLOCK, do_load=True,
+    group = single_group(layout, LAYER_NAMES)
+    scheduler = KVTierScheduler([DaemonLink.open(config, layout, "scheduler")], [group], config, BLOCK, do_load=True,
                                 do_save=True, events=True)
-    worker = KVTierWorker(DaemonLink.open(config, layout, "worker"), None, layout, LAYER_NAMES, "cpu",
-                          WorkerSlice(rank=0, head_start=0, heads=HEADS, writes=True, page_layers=(0, 1)))
+    part = WorkerSlice(rank=0, head_start=0, heads=HEADS, writes=True, page_layers=(0, 1))
+    worker = KVTierWorker([GroupViews(group, part, DaemonLink.open(config, layout, "worker"))], None, "cpu")
     torch.manual_seed(0)
     kv = {name: torch.randn(64, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYER_NAMES}  # CPU_ATTN's per-layer KV
     worker.register_kv_caches(kv)

@@ -29,6 +29,8 @@ def shapes(target: str) -> dict:
     from kvtier_client import KVTierClient, PageLayout, Tier
     from kvtier_client.integrations.vllm import ConnectorConfig, KVTierScheduler, KVTierWorker
     from kvtier_client.integrations.vllm.link import DaemonLink
+    from kvtier_client.integrations.vllm.kv_groups import single_group
+    from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice
 
     torch.manual_seed(0)
@@ -42,14 +44,16 @@ def shapes(target: str) -> dict:
             config = ConnectorConfig.from_extra({"target": target, "namespace": namespace, "planner": False},
                                                 default_namespace="x")
             self.layout, self.tp = layout, tp
-            self.scheduler = KVTierScheduler(DaemonLink.open(config, layout, "scheduler"), config, BLOCK,
+            group = single_group(layout, LAYER_NAMES)
+            self.scheduler = KVTierScheduler([DaemonLink.open(config, layout, "scheduler")], [group], config, BLOCK,
                                              do_load=True, do_save=True, workers=tp)
             self.workers = []
             mla = layout.order == "latent"
             local = 1 if mla else max(1, layout.kv_heads // tp)
             for rank in range(tp):
                 part = WorkerSlice.of(ParallelShape(tp), rank, 0, layout.kv_heads, local, tuple(range(LAYERS)))
-                worker = KVTierWorker(DaemonLink.open(config, layout, "worker"), None, layout, LAYER_NAMES, "cpu", part)
+                link = DaemonLink.open(config, layout, "worker")
+                worker = KVTierWorker([GroupViews(single_group(layout, LAYER_NAMES, local), part, link)], None, "cpu")
                 shape = (NUM_BLOCKS, BLOCK, HEAD_DIM) if mla else (NUM_BLOCKS, local, BLOCK, 2 * HEAD_DIM)
                 kv = {name: torch.randn(*shape) for name in LAYER_NAMES}
                 worker.register_kv_caches(kv)

@@ -98,6 +98,7 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
+        SupportsHMA,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
@@ -110,7 +111,9 @@ from kvtier_client.integrations.vllm.config import ConnectorConfig, default_name
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
 from kvtier_client.integrations.vllm.scheduler import KVTierScheduler, request_salt
-from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice, page_layers_of, page_layout_for
+from kvtier_client.integrations.vllm.kv_groups import KVGroup, kv_groups
+from kvtier_client.integrations.vllm.kv_views import GroupViews
+from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier_client.integrations.vllm.worker import KVTierWorker
 
@@ -127,17 +130,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _worker_slice(shape: ParallelShape, layout, kv_cache_config: KVCacheConfig, layer_names: list[str]) -> WorkerSlice:
-    """This worker's part of every page, from vLLM's parallel groups (initialised before
-    vLLM builds a worker's connector)."""
+def _worker_slice(shape: ParallelShape, group: KVGroup) -> WorkerSlice:
+    """This worker's part of a group's pages, from vLLM's parallel groups (initialised
+    before vLLM builds a worker's connector)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    local_heads = kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
-    return WorkerSlice.of(shape, get_tp_group().rank_in_group, get_pp_group().rank_in_group, layout.kv_heads,
-                          local_heads, page_layers_of(layer_names, layout))
+    return WorkerSlice.of(shape, get_tp_group().rank_in_group, get_pp_group().rank_in_group, group.layout.kv_heads,
+                          group.local_heads, group.page_layers)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM V1 KV connector backed by a kvtier daemon (see the package docstring).
 
     vLLM makes one per role: in the engine core with role SCHEDULER, in each model runner with
@@ -153,30 +155,38 @@ class KVTierConnector(KVConnectorBase_V1):
             transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config)
         )
         block_size = vllm_config.cache_config.block_size
-        self.layout, layer_names = page_layout_for(kv_cache_config, vllm_config)
+        self.groups = kv_groups(kv_cache_config, vllm_config)
         if transfer.kv_load_failure_policy != "recompute":
             log.info(
                 "kvtier connector: kv_load_failure_policy=%r; with 'recompute' a page evicted between lookup and "
                 "load is recomputed instead of failing the request", transfer.kv_load_failure_policy,
             )
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        self._link = DaemonLink.open(self.config, self.layout, side)
+        # One registration per distinct layout: groups with equal layouts share a pool (their
+        # keys differ by the group's salt).
+        by_layout: dict = {}
+        for group in self.groups:
+            if group.layout not in by_layout:
+                by_layout[group.layout] = DaemonLink.open(self.config, group.layout, side)
+        self._links = list(by_layout.values())
+        links = [by_layout[group.layout] for group in self.groups]
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
             self._scheduler = KVTierScheduler(
-                self._link, self.config, block_size, do_load=transfer.is_kv_consumer, do_save=transfer.is_kv_producer,
+                links, self.groups, self.config, block_size, do_load=transfer.is_kv_consumer,
+                do_save=transfer.is_kv_producer,
                 workers=shape.workers, events=bool(events and events.enable_kv_cache_events),
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
             )
         else:
-            part = _worker_slice(shape, self.layout, kv_cache_config, layer_names)
-            self._worker = KVTierWorker(self._link, vllm_config, self.layout, layer_names, self.config.kv_cache_format,
-                                        part)
+            views = [GroupViews(group, _worker_slice(shape, group), link) for group, link in zip(self.groups, links)]
+            self._worker = KVTierWorker(views, vllm_config, self.config.kv_cache_format)
         log.info(
             "kvtier connector (%s) registered namespace %r at %s: %s",
-            side, self.config.namespace, self.config.target, self.layout,
+            side, self.config.namespace, self.config.target,
+            [(g.mode.name, g.window, g.layout) for g in self.groups],
         )
 
     @property
@@ -214,6 +224,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator (SupportsHMA): the same as request_finished; saves end
+        within their step, so no group's blocks are held."""
+        return self.scheduler.request_finished(request, [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.scheduler.take_events()
@@ -268,7 +284,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        self._link.close()
+        for link in self._links:
+            link.close()
 
 
 __all__ = [
@@ -281,6 +298,7 @@ __all__ = [
     "KVTierWorkerMetadata",
     "LoadOp",
     "SaveOp",
-    "page_layout_for",
+    "KVGroup",
+    "kv_groups",
     "request_salt",
 ]

@@ -16,11 +16,13 @@ from kvtier_client.keys import BlockKey
 
 @dataclass
 class LoadOp:
-    """Copy the cached pages of `keys` into vLLM blocks `block_ids` (same length)."""
+    """Copy the cached pages of `keys` into vLLM blocks `block_ids` (same length) of KV
+    cache group `group` (kvtier_client.integrations.vllm.kv_groups)."""
 
     req_id: str
     block_ids: list[int]
     keys: list[BlockKey]
+    group: int = 0
 
 
 @dataclass
@@ -34,6 +36,7 @@ class SaveOp:
     first: int
     block_ids: list[int]
     slots: list[int]
+    group: int = 0
 
 
 @dataclass
@@ -43,11 +46,16 @@ class SaveOutcome:
 
     req_id: str
     first: int
+    group: int
     ok: bool
     ranks: frozenset[int]
 
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.req_id, self.first, self.group
+
     def merge(self, other: SaveOutcome) -> SaveOutcome:
-        return SaveOutcome(self.req_id, self.first, self.ok and other.ok, self.ranks | other.ranks)
+        return SaveOutcome(self.req_id, self.first, self.group, self.ok and other.ok, self.ranks | other.ranks)
 
 
 @dataclass
@@ -76,10 +84,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         each save's outcome is the merge of every worker's."""
         if not isinstance(other, KVTierWorkerMetadata):
             return self
-        saves = {(s.req_id, s.first): s for s in self.saves}
+        saves = {s.key: s for s in self.saves}
         for s in other.saves:
-            key = (s.req_id, s.first)
-            saves[key] = saves[key].merge(s) if key in saves else s
+            saves[s.key] = saves[s.key].merge(s) if s.key in saves else s
         return KVTierWorkerMetadata(
             max(self.step_tokens, other.step_tokens), max(self.prefill_tokens, other.prefill_tokens),
             max(self.forward_seconds, other.forward_seconds), self.copy_bytes + other.copy_bytes,

@@ -41,9 +41,11 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier_client.errors import CapacityError, KVTierError
+from kvtier_client.groups import GroupMode, GroupQuery, needed_blocks
 from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
 from kvtier_client.integrations.vllm.extra_keys import block_extras
+from kvtier_client.integrations.vllm.kv_groups import KVGroup
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import (
     KVTierConnectorMetadata,
@@ -71,6 +73,8 @@ _TIER_SOURCES = {
     Tier.DEVICE: CacheHitSource.DEVICE, Tier.HOST: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK,
     Tier.CLUSTER: CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+#: vLLM's null block: a block table's placeholder for a block a window group has dropped.
+NULL_BLOCK = 0
 #: A save whose workers' reports have not all arrived after this many step outputs is given
 #: up (its pages released): each worker reports a save in the output of the step that ran it.
 SAVE_REPORT_STEPS = 8
@@ -84,20 +88,27 @@ EVENT_OWNER = "kvtier"
 @dataclass
 class _RequestState:
     request: Request
-    keys: list[BlockKey]
+    group_keys: list[list[BlockKey]]  # per KV cache group (kv_groups.KVGroup.salt differs)
     prompt_tokens: int
     kvtier_blocks: int = 0  # leading blocks kvtier held at the last lookup
     found: tuple[int, int] = (0, 0)  # at the last lookup: cached blocks beyond vLLM's hit, of which to load
     candidate: tuple[int, int, int] | None = None  # (first block, end block, external tokens) offered
     candidate_tiers: tuple[Tier, ...] = ()
+    candidate_needs: tuple[range, ...] = ()  # per group, the blocks a restore to the candidate's end needs
     load: tuple[int, int] | None = None  # blocks to load in the next step
     load_tiers: tuple[Tier, ...] = ()
-    block_ids: list[int] = field(default_factory=list)
+    load_needs: tuple[range, ...] = ()
+    block_ids: list[list[int]] = field(default_factory=list)  # per group
     save_upto: int = 0  # blocks before this one are in kvtier, in vLLM's cache, or already sent to be stored
     storing: list[BlockKey] = field(default_factory=list)  # keys this request put in KVTierScheduler._storing
     loaded_tokens: int = 0
     stored_blocks: int = 0
     plan_reason: str = ""
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        """The first group's keys: they name the request's blocks (one chain per prompt)."""
+        return self.group_keys[0]
 
 
 @dataclass
@@ -159,18 +170,23 @@ def request_salt(base: bytes, request: Request) -> bytes:
 
 
 class KVTierScheduler:
-    """The scheduler half of KVTierConnector: one per engine core. `workers`: the engine's
-    workers, each of which must report a save before it is committed; `events`: keep
+    """The scheduler half of KVTierConnector: one per engine core. `groups`: the engine's
+    KV cache groups, `links[i]` the registration of group i's layout; `workers`: the
+    engine's workers, each of which must report a save before it is committed; `events`: keep
     BlockStored events for vLLM's KV event publisher (when the engine enables them);
     `hash_block_size`: the granularity of vLLM's request block hashes (the block size, for
     one KV cache group)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, link: DaemonLink, config: ConnectorConfig, block_size: int, *, do_load: bool,
-                 do_save: bool, workers: int = 1, events: bool = False, hash_block_size: int | None = None) -> None:
-        self.link = link
-        self.kv = link.kv
+    def __init__(self, links: list[DaemonLink], groups: list[KVGroup], config: ConnectorConfig, block_size: int, *,
+                 do_load: bool, do_save: bool, workers: int = 1, events: bool = False,
+                 hash_block_size: int | None = None) -> None:
+        self.links, self.groups = links, groups
+        self.link = links[0]  # lookups go through the first group's registration
+        self.kv = self.link.kv
+        #: One full-attention group: a plain prefix lookup answers; else a group lookup.
+        self._plain = len(groups) == 1 and groups[0].mode is GroupMode.FULL
         self.config = config
         self.block_size = block_size
         self.hash_block_size = hash_block_size or block_size
@@ -181,7 +197,7 @@ class KVTierScheduler:
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, _RequestState] = {}
         self._storing: dict[BlockKey, str] = {}  # key -> the live request whose SaveOp stores it
-        self._sent: dict[tuple[str, int], _SentSave] = {}  # (req_id, first block) -> a SaveOp not reported yet
+        self._sent: dict[tuple[str, int, int], _SentSave] = {}  # (req_id, first block, group) -> SaveOp not reported
         self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
@@ -192,8 +208,8 @@ class KVTierScheduler:
             return state
         if request.prompt_token_ids is None:
             return None  # prompt embeddings only: no token ids to name the KV by
-        keys = self.kv.block_keys(request.prompt_token_ids, salt=request_salt(self.config.salt, request),
-                                  extras=block_extras(request, self.block_size))
+        salt, extras = request_salt(self.config.salt, request), block_extras(request, self.block_size)
+        keys = [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
         state = _RequestState(request, keys, len(request.prompt_token_ids))
         self._requests[request.request_id] = state
         return state
@@ -202,8 +218,9 @@ class KVTierScheduler:
         state = self._state(request)
         if state is None or not state.keys or not self.config.prefetch or not self.do_load or not self.link.available():
             return
-        try:
-            self.kv.prefetch(state.keys)  # disk pages start climbing to host before the request is scheduled
+        try:  # disk pages start climbing to host before the request is scheduled
+            for link, keys in zip(self.links, state.group_keys):
+                link.kv.prefetch(keys)
         except KVTierError as exc:
             self.link.failed("prefetch", exc)
 
@@ -214,22 +231,25 @@ class KVTierScheduler:
         state.candidate = None
         state.found = (0, 0)
         try:
-            found = self.kv.lookup(state.keys)
+            hit, tiers = self._lookup(state)
         except KVTierError as exc:
             self.link.failed("lookup", exc)
             return 0, False
-        state.kvtier_blocks = found.hit_blocks
-        state.save_upto = max(state.save_upto, found.hit_blocks)
+        state.kvtier_blocks = hit
+        state.save_upto = max(state.save_upto, hit)
         block = self.block_size
         local = num_computed_tokens // block
-        if found.hit_blocks <= local:
+        if hit <= local:
             return 0, False
-        beyond = LookupResult(found.hit_blocks - local, tuple(found.tiers[local : found.hit_blocks]))
+        beyond = LookupResult(hit - local, tiers[local:hit])
         if self.planner is not None:
             plan = self.planner.plan(beyond)
             n, state.plan_reason = plan.load_blocks, plan.reason
         else:
             n, state.plan_reason = beyond.hit_blocks, "planner off: loading every cached block"
+        if not self._plain and 0 < n < beyond.hit_blocks:
+            # A hybrid prefix restores only at an end every group was asked about.
+            n, state.plan_reason = 0, f"{state.plan_reason}; a hybrid prefix is loaded whole or not at all"
         state.found = (beyond.hit_blocks, n)
         # vLLM computes at least the last prompt token itself.
         target = min((local + n) * block, state.prompt_tokens - 1)
@@ -238,8 +258,23 @@ class KVTierScheduler:
             return 0, False
         end = -(-target // block)
         state.candidate = (local, end, external)
-        state.candidate_tiers = tuple(found.tiers[local:end])
+        state.candidate_tiers = tuple(tiers[local:end])
         return external, False
+
+    def _lookup(self, state: _RequestState) -> tuple[int, tuple[Tier, ...]]:
+        """How many leading blocks kvtier can restore, and the tier each must be loaded
+        from: for several groups (or a window), in one group lookup, the slowest tier among
+        the groups that need the block (HOST where none does: nothing to load)."""
+        if self._plain:
+            found = self.kv.lookup(state.keys)
+            return found.hit_blocks, tuple(found.tiers[: found.hit_blocks])
+        found = self.kv.lookup_groups([GroupQuery(keys, g.mode, g.window, g.layout)
+                                       for g, keys in zip(self.groups, state.group_keys)])
+        tiers = [Tier.HOST] * found.hit_blocks
+        for hit in found.groups:
+            for i, tier in zip(hit.blocks, hit.tiers):
+                tiers[i] = max(tiers[i], tier)
+        return found.hit_blocks, tuple(tiers)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -255,6 +290,7 @@ class KVTierScheduler:
             end = -(-(start * self.block_size + num_external_tokens) // self.block_size)
         state.load = (start, end)
         state.load_tiers = state.candidate_tiers[: end - start]
+        state.load_needs = tuple(needed_blocks(g.mode, g.window, end) for g in self.groups)
         state.loaded_tokens += num_external_tokens
         state.candidate = None
 
@@ -281,7 +317,7 @@ class KVTierScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                state.block_ids = self._group_ids(new.block_ids)
                 self._skip_computed(state, new.num_computed_tokens)
                 self._plan_step(state, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -291,12 +327,17 @@ class KVTierScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = self._group_ids(new_ids)
                 self._skip_computed(state, cached.num_computed_tokens[i])
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, new_ids):
+                    ids.extend(more)
             self._plan_step(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
         return meta
+
+    def _group_ids(self, block_ids: tuple[list[int], ...] | None) -> list[list[int]]:
+        """A request's vLLM block ids, one list per KV cache group."""
+        return [list(ids) for ids in block_ids] if block_ids else [[] for _ in self.groups]
 
     def _skip_computed(self, state: _RequestState, computed: int) -> None:
         """A request just (re)scheduled starts with `computed` tokens: vLLM's prefix-cache hit and
@@ -314,15 +355,11 @@ class KVTierScheduler:
         if state.load is not None:
             start, end = state.load
             state.load = None
-            if end <= len(state.block_ids):
-                meta.loads.append(LoadOp(req_id, state.block_ids[start:end], list(state.keys[start:end])))
-            else:  # cannot happen with a consistent block table; recomputing is always safe
-                log.warning("kvtier connector: request %s has %d blocks, load needs %d; not loading",
-                            req_id, len(state.block_ids), end)
+            self._add_loads(state, req_id, start, end, meta)
         if not self.do_save or not self.link.available():
             return  # while the daemon is away, blocks wait; a later step of the request stores them
         full = min(computed + scheduled, state.prompt_tokens) // self.block_size
-        full = min(full, len(state.block_ids), len(state.keys))
+        full = min(full, len(state.keys), *(len(ids) for ids in state.block_ids))
         first = state.save_upto
         while first < full and state.keys[first] in self._storing:
             first += 1  # another live request stores it (keys are chained: theirs come first)
@@ -332,28 +369,60 @@ class KVTierScheduler:
         if full <= first:
             return
         state.save_upto = full
-        lease = self._borrow(full - first, req_id)
-        if lease is None:
-            return  # a miss later; the blocks are not tried again for this request
-        keys = list(state.keys[first:full])
+        self._add_saves(state, req_id, first, full, meta)
+
+    def _add_loads(self, state: _RequestState, req_id: str, start: int, end: int,
+                   meta: KVTierConnectorMetadata) -> None:
+        """LoadOps for blocks [start, end) of the request: per group, those a restore to
+        `end` needs (all of them for full attention, the trailing window for a window)."""
+        if any(end > len(ids) for ids in state.block_ids):  # cannot happen with a consistent block table
+            log.warning("kvtier connector: request %s has blocks %s, load needs %d; not loading", req_id,
+                        [len(ids) for ids in state.block_ids], end)
+            return
+        for g, (need, ids, keys) in enumerate(zip(state.load_needs, state.block_ids, state.group_keys)):
+            blocks = [i for i in range(max(start, need.start), end) if not self._dropped(g, ids[i])]
+            if blocks:
+                meta.loads.append(LoadOp(req_id, [ids[i] for i in blocks], [keys[i] for i in blocks], g))
+
+    def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int,
+                   meta: KVTierConnectorMetadata) -> None:
+        """SaveOps for prompt blocks [first, full), one per group, into pages borrowed now:
+        every group's or none (a group whose blocks vLLM already dropped, outside its
+        window, is left out)."""
+        groups = [g for g, ids in enumerate(state.block_ids) if not any(self._dropped(g, i) for i in ids[first:full])]
+        leases: dict[int, WriteLease] = {}
+        for g in groups:
+            lease = self._borrow(g, full - first, req_id)
+            if lease is None:
+                for taken in leases.values():
+                    self._release(taken)
+                self._stats.add(store_failed_blocks=full - first)
+                return  # a miss later; the blocks are not tried again for this request
+            leases[g] = lease
         tokens = list(state.request.prompt_token_ids[first * self.block_size : full * self.block_size])
-        meta.saves.append(SaveOp(req_id, first, state.block_ids[first:full], list(lease.slots)))
-        for key in keys:
+        for g, lease in leases.items():
+            keys = state.group_keys[g]
+            meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first:full], list(lease.slots), g))
+            payload = self._payload(state.request, first, full) if g == 0 else None
+            self._sent[(req_id, first, g)] = _SentSave(lease, keys[first:full], keys[first - 1] if first else None,
+                                                       tokens, payload, self._outputs)
+        for key in state.keys[first:full]:
             self._storing[key] = req_id
-        state.storing.extend(keys)
-        self._sent[(req_id, first)] = _SentSave(lease, keys, state.keys[first - 1] if first else None, tokens,
-                                                self._payload(state.request, first, full), self._outputs)
+        state.storing.extend(state.keys[first:full])
         state.stored_blocks += full - first
 
-    def _borrow(self, count: int, req_id: str) -> WriteLease | None:
-        """Host pages for the workers to write a save into, or None (counted as not stored)."""
+    def _dropped(self, group: int, block_id: int) -> bool:
+        """A window group's block vLLM has dropped (outside the window): its null block."""
+        return block_id == NULL_BLOCK and self.groups[group].mode is GroupMode.WINDOW
+
+    def _borrow(self, group: int, count: int, req_id: str) -> WriteLease | None:
+        """Host pages of a group's pool for the workers to write a save into, or None."""
         try:
-            return self.kv.borrow(count)
+            return self.links[group].kv.borrow(count)
         except CapacityError as exc:
             log.info("kvtier connector: no free pages to store %d blocks of request %s: %s", count, req_id, exc)
         except KVTierError as exc:
-            self.link.failed(f"borrowing {count} pages", exc)
-        self._stats.add(store_failed_blocks=count)
+            self.links[group].failed(f"borrowing {count} pages", exc)
         return None
 
     def _payload(self, request: Request, first: int, end: int) -> _BlockPayload | None:
@@ -393,7 +462,7 @@ class KVTierScheduler:
         """The workers' word on one SaveOp: commit its pages if every worker wrote its part,
         else release them; count only what the daemon took, announce it, and free the keys
         of a save that failed so another request can store them."""
-        sent = self._sent.pop((outcome.req_id, outcome.first), None)
+        sent = self._sent.pop(outcome.key, None)
         if sent is None:
             return  # given up already (SAVE_REPORT_STEPS)
         new = None
@@ -404,7 +473,7 @@ class KVTierScheduler:
             log.warning("kvtier connector: %d blocks of request %s not stored: %s", len(sent.keys), outcome.req_id,
                         f"workers {missing} did not report" if missing else "a worker could not write its part")
             self._release(sent.lease)
-        self._settle(outcome.req_id, sent, new)
+        self._settle(outcome.req_id, outcome.group, sent, new)
 
     def _commit(self, sent: _SentSave, req_id: str) -> tuple[int, ...] | None:
         """Commit a save's pages; the indices of the keys the daemon took (None: failed)."""
@@ -418,12 +487,17 @@ class KVTierScheduler:
         self._stats.add(store_blocks=len(sent.keys) - len(duplicates), store_duplicate_blocks=len(duplicates))
         return tuple(i for i in range(len(sent.keys)) if i not in duplicates)
 
-    def _settle(self, req_id: str, sent: _SentSave, new: tuple[int, ...] | None) -> None:
+    def _settle(self, req_id: str, group: int, sent: _SentSave, new: tuple[int, ...] | None) -> None:
+        """Count what became of a save of one group; the first group's keys name the blocks
+        (the request's `stored_blocks`, the keys being stored)."""
+        if new is None:
+            self._stats.add(store_failed_blocks=len(sent.keys))
+        if group != 0:
+            return
         state = self._requests.get(req_id)
         if state is not None:
             state.stored_blocks -= len(sent.keys) - len(new or ())
         if new is None:
-            self._stats.add(store_failed_blocks=len(sent.keys))
             for key in sent.keys:
                 if self._storing.get(key) == req_id:
                     del self._storing[key]
@@ -433,12 +507,12 @@ class KVTierScheduler:
     def _give_up_unreported(self) -> None:
         """Release the pages of saves whose reports never came (SAVE_REPORT_STEPS)."""
         late = [key for key, sent in self._sent.items() if self._outputs - sent.sent_at > SAVE_REPORT_STEPS]
-        for req_id, first in late:
-            sent = self._sent.pop((req_id, first))
+        for req_id, first, group in late:
+            sent = self._sent.pop((req_id, first, group))
             log.warning("kvtier connector: no worker report for %d blocks of request %s after %d steps; not stored",
                         len(sent.keys), req_id, SAVE_REPORT_STEPS)
             self._release(sent.lease)
-            self._settle(req_id, sent, None)
+            self._settle(req_id, group, sent, None)
 
     def _release(self, lease: WriteLease) -> None:
         if lease.ended:

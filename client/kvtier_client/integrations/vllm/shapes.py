@@ -8,11 +8,8 @@ holds (pipeline parallel). Heads that several ranks hold (fewer KV heads than ra
 latent, which every rank holds whole) are written by the first of those ranks and read by
 all.
 
-`page_layout_for` gives the layout of an engine's KV cache: full attention pages hold K and
-V (`page_first`), MLA pages the latent vector of each token (`latent`). What is refused says
-why: context parallelism (a block's tokens are spread over ranks), several KV cache groups
-(kvtier_client.integrations.vllm.groups takes those), K and V head sizes that differ, a
-dtype kvtier has no page for.
+The layouts themselves (one per KV cache group) are kvtier_client.integrations.vllm.kv_groups'.
+Context parallelism is refused with its reason: it spreads a block's tokens over ranks.
 """
 from __future__ import annotations
 
@@ -20,11 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier_client.layout import DTYPE_BYTES, PageLayout
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -94,45 +88,3 @@ def layer_index(name: str) -> int:
     if len(found) != 1:
         raise ValueError(f"kvtier connector: cannot tell the layer index of attention layer {name!r}")
     return int(found[0])
-
-
-def page_layout_for(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> tuple[PageLayout, list[str]]:
-    """The kvtier page layout of an engine with one KV cache group, the same for every
-    parallel shape, and this process's attention layers (page layers in `page_layers_of`)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvtier connector: page_layout_for takes one KV cache group, this model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
-        raise ValueError(f"kvtier connector: KV cache spec {type(spec).__name__} is not full attention")
-    mla = isinstance(spec, MLAAttentionSpec)
-    head_v = getattr(spec, "head_size_v", None) or spec.head_size
-    if not mla and head_v != spec.head_size:
-        raise ValueError(f"kvtier connector: K head size {spec.head_size} differs from V head size {head_v}; "
-                         "kvtier pages hold K and V of one head size")
-    if spec.block_size != vllm_config.cache_config.block_size:
-        raise ValueError(f"kvtier connector: KV spec block size {spec.block_size} differs from cache block size "
-                         f"{vllm_config.cache_config.block_size}")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"kvtier connector: KV cache dtype {dtype} has no kvtier page dtype ({', '.join(DTYPE_BYTES)})")
-    model = vllm_config.model_config
-    layout = PageLayout(
-        layers=model.get_total_num_hidden_layers(),
-        kv_heads=1 if mla else model.get_total_num_kv_heads(),
-        head_dim=spec.head_size, block_tokens=spec.block_size, dtype=dtype,
-        order="latent" if mla else "page_first",
-    )
-    return layout, list(groups[0].layer_names)
-
-
-def page_layers_of(layer_names: list[str], layout: PageLayout) -> tuple[int, ...]:
-    """The page layer of each local attention layer: its model layer index (a pipeline stage
-    holds some of the model's layers; a page holds them all)."""
-    indices = tuple(layer_index(name) for name in layer_names)
-    if len(set(indices)) != len(indices) or any(not 0 <= i < layout.layers for i in indices):
-        raise ValueError(f"kvtier connector: attention layers {layer_names} do not map one to one onto the "
-                         f"{layout.layers} layers of a page")
-    return indices
