@@ -30,7 +30,7 @@ def checks(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # A small copy shape keeps this quick; vllm_checks.py copies alone runs the full-size one.
-        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "keys", "copies", "--pages", "64",
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "groups", "keys", "copies", "--pages", "64",
                    "--layers", "4"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     finally:
@@ -113,3 +113,22 @@ def test_multimodal_prompts_are_keyed_as_vllm_hashes_them(checks):
     assert k["ours_equal"] == k["vllm_equal"]
     assert k["ours_equal"]["AB"] == [True, False, False, False]  # the image starts in block 1
     assert k["text_only_extras"] is None  # text prompts keep the keys they always had
+
+
+def test_a_hybrid_model_loads_each_group_only_what_it_needs(checks):
+    both = checks["groups"]["both"]
+    assert both["stored"]["stored_blocks"] == 5 and sorted(both["stored"]["saves"]) == ["0", "1"]
+    # All 5 blocks of the full-attention group; the window group only its last 2 (vLLM dropped 0-2).
+    assert both["loaded"]["loaded_tokens"] == 5 * 32
+    assert both["loaded"]["loads"] == {"0": [13, 14, 15, 16, 17], "1": [22, 23]}
+    assert both["equal"]
+
+
+def test_a_hybrid_hit_is_never_reported_unless_every_group_can_restore_it(checks):
+    gone = checks["groups"]["window_gone"]
+    assert gone["stored"]["stored_blocks"] == 5  # group 0 took them; group 1's pages were released
+    assert gone["again"]["loaded_tokens"] == 0 and gone["again"]["loads"] == {}  # group 0 alone restores nothing
+    part = checks["groups"]["window_part"]
+    # The window group holds blocks 0-2 only: the longest prefix both can restore is 3 blocks.
+    assert part["again"]["loaded_tokens"] == 3 * 32
+    assert part["again"]["loads"] == {"0": [13, 14, 15], "1": [20, 21]}
