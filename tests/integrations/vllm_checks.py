@@ -153,10 +153,10 @@ def dedupe(target: str) -> dict:
         scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={"r7": 2 * BLOCK},
         total_num_scheduled_tokens=2 * BLOCK, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
         finished_req_ids=set(), free_encoder_mm_hashes=[]))
-    storing_before = all(k in scheduler._storing for k in r7_keys)
+    storing_before = all(k in scheduler.saves.storing for k in r7_keys)
     reset = scheduler.reset_cache()
-    reset_state = {"answer": reset, "storing_before": storing_before, "storing_after": len(scheduler._storing),
-                   "sent_after": len(scheduler._sent), "saves_sent": len(meta.saves)}
+    reset_state = {"answer": reset, "storing_before": storing_before, "storing_after": len(scheduler.saves.storing),
+                   "sent_after": len(scheduler.saves.sent), "saves_sent": len(meta.saves)}
 
     requests = (r1, r2, r3, r4, r5, r6, r7)
     reports = {r.request_id: finish(r) for r in requests}

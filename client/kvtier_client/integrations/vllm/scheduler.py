@@ -15,15 +15,17 @@ Per request, in the order vLLM calls it:
 A block is stored once. A full prompt block goes into a SaveOp only if kvtier did not hold
 it at the request's lookup, vLLM's own prefix cache did not serve it (the request's computed
 tokens when it was scheduled: the request that put those blocks in vLLM's cache computed
-and stored them), and no other live request of this engine is storing it (`_storing`:
+and stored them), and no other live request of this engine is storing it (`Saves.storing`:
 prompts sharing a prefix that are scheduled in one step, or chunk by chunk side by side).
-The scheduler borrows the pages of a save when it sends the SaveOp, each worker writes its
-part of them (its heads of its layers: kvtier_client.integrations.vllm.shapes), and once
-every worker of the engine has reported its part written, the scheduler commits them: a
-page is never visible half written, whatever the parallel shape. A block the daemon already
-had (another engine stored it meanwhile) comes off the request's `stored_blocks`; the pages
-of a save some worker did not write are released, and its keys freed so that a later
-request stores them.
+The scheduler borrows the pages of a save when it sends the SaveOp and commits them once
+every worker has written its part (saves.py). A block the daemon already had (another
+engine stored it meanwhile) comes off the request's `stored_blocks`; the keys of a save that
+failed are freed so that a later request stores them.
+
+A model with several KV cache groups (kv_groups.py) has a key chain, a registration and
+pages per group: one group lookup says how long a prefix every group can restore, each
+group loads only what its layers read, and each group's pages are saved and committed on
+their own; the first group's keys name the blocks.
 """
 from __future__ import annotations
 
@@ -31,19 +33,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    resolve_block_hashes,
-    to_event_extra_keys,
-)
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier_client.errors import CapacityError, KVTierError
+from kvtier_client.errors import KVTierError
 from kvtier_client.groups import GroupMode, GroupQuery, needed_blocks
 from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
+from kvtier_client.integrations.vllm.events import block_payload
 from kvtier_client.integrations.vllm.extra_keys import block_extras
 from kvtier_client.integrations.vllm.kv_groups import KVGroup
 from kvtier_client.integrations.vllm.link import DaemonLink, log
@@ -52,17 +49,15 @@ from kvtier_client.integrations.vllm.metadata import (
     KVTierWorkerMetadata,
     LoadOp,
     SaveOp,
-    SaveOutcome,
 )
+from kvtier_client.integrations.vllm.saves import SaveEnd, Saves, SentSave
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
 from kvtier_client.keys import BlockKey
-from kvtier_client.leases import WriteLease
 from kvtier_client.results import LookupResult
 from kvtier_client.tiers import Tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import BlockHash
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -75,14 +70,6 @@ _TIER_SOURCES = {
 }
 #: vLLM's null block: a block table's placeholder for a block a window group has dropped.
 NULL_BLOCK = 0
-#: A save whose workers' reports have not all arrived after this many step outputs is given
-#: up (its pages released): each worker reports a save in the output of the step that ran it.
-SAVE_REPORT_STEPS = 8
-#: KV events: committed pages land in kvtier's host tier, node-local memory: vLLM's CPU
-#: medium (as its own offloading connector names host RAM), LOCAL, owned by "kvtier".
-EVENT_MEDIUM = MEDIUM_CPU
-EVENT_LOCALITY = "LOCAL"
-EVENT_OWNER = "kvtier"
 
 
 @dataclass
@@ -100,7 +87,7 @@ class _RequestState:
     load_needs: tuple[range, ...] = ()
     block_ids: list[list[int]] = field(default_factory=list)  # per group
     save_upto: int = 0  # blocks before this one are in kvtier, in vLLM's cache, or already sent to be stored
-    storing: list[BlockKey] = field(default_factory=list)  # keys this request put in KVTierScheduler._storing
+    storing: list[BlockKey] = field(default_factory=list)  # keys this request put in Saves.storing
     loaded_tokens: int = 0
     stored_blocks: int = 0
     plan_reason: str = ""
@@ -109,55 +96,6 @@ class _RequestState:
     def keys(self) -> list[BlockKey]:
         """The first group's keys: they name the request's blocks (one chain per prompt)."""
         return self.group_keys[0]
-
-
-@dataclass
-class _SentSave:
-    """A SaveOp waiting for the workers' outcome: its borrowed pages, what to commit them
-    as, and the BlockStored payload of its blocks (taken while the request was alive; None
-    without KV events)."""
-
-    lease: WriteLease
-    keys: list[BlockKey]
-    parent: BlockKey | None
-    token_ids: list[int]
-    event: _BlockPayload | None
-    sent_at: int  # the scheduler's count of step outputs when it was sent
-
-
-@dataclass
-class _BlockPayload:
-    """What a BlockStored event says about consecutive prompt blocks of one request."""
-
-    hashes: list[BlockHash]
-    parent: BlockHash | None
-    token_ids: list[int]
-    extra_keys: list[tuple[Any, ...] | None]
-    lora_id: int | None
-    lora_name: str | None
-    session_id: str | None
-
-    def events(self, new: tuple[int, ...], block_size: int) -> list[BlockStored]:
-        """One BlockStored per run of consecutive blocks in `new` (the pages kvtier took)."""
-        runs: list[list[int]] = []
-        for i in new:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        out = []
-        for run in runs:
-            first, end = run[0], run[-1] + 1
-            parent = self.parent if first == 0 else self.hashes[first - 1]
-            out.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in self.hashes[first:end]],
-                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
-                token_ids=self.token_ids[first * block_size : end * block_size],
-                block_size=block_size, lora_id=self.lora_id, medium=EVENT_MEDIUM, lora_name=self.lora_name,
-                extra_keys=to_event_extra_keys(self.extra_keys[first:end]), group_idx=0,
-                locality=EVENT_LOCALITY, ownership=EVENT_OWNER, session_id=self.session_id,
-            ))
-        return out
 
 
 def request_salt(base: bytes, request: Request) -> bytes:
@@ -192,12 +130,10 @@ class KVTierScheduler:
         self.hash_block_size = hash_block_size or block_size
         self.do_load = do_load
         self.do_save = do_save
-        self.workers = frozenset(range(workers))
+        self.saves = Saves(links, frozenset(range(workers)))
         self.events = events
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, _RequestState] = {}
-        self._storing: dict[BlockKey, str] = {}  # key -> the live request whose SaveOp stores it
-        self._sent: dict[tuple[str, int, int], _SentSave] = {}  # (req_id, first block, group) -> SaveOp not reported
         self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
@@ -361,7 +297,7 @@ class KVTierScheduler:
         full = min(computed + scheduled, state.prompt_tokens) // self.block_size
         full = min(full, len(state.keys), *(len(ids) for ids in state.block_ids))
         first = state.save_upto
-        while first < full and state.keys[first] in self._storing:
+        while first < full and state.keys[first] in self.saves.storing:
             first += 1  # another live request stores it (keys are chained: theirs come first)
         if first > state.save_upto:
             self._stats.add(skipped_store_blocks=first - state.save_upto)
@@ -390,24 +326,21 @@ class KVTierScheduler:
         every group's or none (a group whose blocks vLLM already dropped, outside its
         window, is left out)."""
         groups = [g for g, ids in enumerate(state.block_ids) if not any(self._dropped(g, i) for i in ids[first:full])]
-        leases: dict[int, WriteLease] = {}
-        for g in groups:
-            lease = self._borrow(g, full - first, req_id)
-            if lease is None:
-                for taken in leases.values():
-                    self._release(taken)
-                self._stats.add(store_failed_blocks=full - first)
-                return  # a miss later; the blocks are not tried again for this request
-            leases[g] = lease
+        leases = self.saves.borrow(groups, full - first, req_id)
+        if leases is None:
+            self._stats.add(store_failed_blocks=full - first)
+            return  # a miss later; the blocks are not tried again for this request
         tokens = list(state.request.prompt_token_ids[first * self.block_size : full * self.block_size])
         for g, lease in leases.items():
             keys = state.group_keys[g]
             meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first:full], list(lease.slots), g))
-            payload = self._payload(state.request, first, full) if g == 0 else None
-            self._sent[(req_id, first, g)] = _SentSave(lease, keys[first:full], keys[first - 1] if first else None,
-                                                       tokens, payload, self._outputs)
+            payload = None
+            if g == 0 and self.events:
+                payload = block_payload(state.request, first, full, self.block_size, self.hash_block_size)
+            self.saves.sent[(req_id, first, g)] = SentSave(lease, keys[first:full], keys[first - 1] if first else None,
+                                                           tokens, payload, self._outputs)
         for key in state.keys[first:full]:
-            self._storing[key] = req_id
+            self.saves.storing[key] = req_id
         state.storing.extend(state.keys[first:full])
         state.stored_blocks += full - first
 
@@ -415,41 +348,14 @@ class KVTierScheduler:
         """A window group's block vLLM has dropped (outside the window): its null block."""
         return block_id == NULL_BLOCK and self.groups[group].mode is GroupMode.WINDOW
 
-    def _borrow(self, group: int, count: int, req_id: str) -> WriteLease | None:
-        """Host pages of a group's pool for the workers to write a save into, or None."""
-        try:
-            return self.links[group].kv.borrow(count)
-        except CapacityError as exc:
-            log.info("kvtier connector: no free pages to store %d blocks of request %s: %s", count, req_id, exc)
-        except KVTierError as exc:
-            self.links[group].failed(f"borrowing {count} pages", exc)
-        return None
-
-    def _payload(self, request: Request, first: int, end: int) -> _BlockPayload | None:
-        """The BlockStored payload of prompt blocks [first, end), if KV events are on and vLLM
-        hashed the prompt (it does with prefix caching enabled)."""
-        if not self.events:
-            return None
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, self.block_size)
-        if len(hashes) < end:
-            return None
-        B = self.block_size
-        lora = request.lora_request
-        return _BlockPayload(
-            hashes=list(hashes[first:end]), parent=hashes[first - 1] if first else None,
-            token_ids=list(request.prompt_token_ids[first * B : end * B]),
-            extra_keys=[generate_block_hash_extra_keys(request, i * B, (i + 1) * B, 0)[0] for i in range(first, end)],
-            lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
-            session_id=request.session_id,
-        )
-
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._outputs += 1
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
             for outcome in meta.saves:
-                self._saved(outcome)
-        self._give_up_unreported()
+                self._settle(self.saves.reported(outcome))
+        for end in self.saves.overdue(self._outputs):
+            self._settle(end)
         if not isinstance(meta, KVTierWorkerMetadata) or self.planner is None:
             return
         self.planner.observe_copy(meta.copy_bytes, meta.copy_seconds)
@@ -458,69 +364,25 @@ class KVTierScheduler:
             self.planner.observe_prefill(meta.step_tokens, meta.forward_seconds)
             log.debug("kvtier connector: prefill of %d tokens took %.4fs", meta.step_tokens, meta.forward_seconds)
 
-    def _saved(self, outcome: SaveOutcome) -> None:
-        """The workers' word on one SaveOp: commit its pages if every worker wrote its part,
-        else release them; count only what the daemon took, announce it, and free the keys
-        of a save that failed so another request can store them."""
-        sent = self._sent.pop(outcome.key, None)
-        if sent is None:
-            return  # given up already (SAVE_REPORT_STEPS)
-        new = None
-        if outcome.ok and outcome.ranks >= self.workers:
-            new = self._commit(sent, outcome.req_id)
-        else:
-            missing = sorted(self.workers - outcome.ranks)
-            log.warning("kvtier connector: %d blocks of request %s not stored: %s", len(sent.keys), outcome.req_id,
-                        f"workers {missing} did not report" if missing else "a worker could not write its part")
-            self._release(sent.lease)
-        self._settle(outcome.req_id, outcome.group, sent, new)
-
-    def _commit(self, sent: _SentSave, req_id: str) -> tuple[int, ...] | None:
-        """Commit a save's pages; the indices of the keys the daemon took (None: failed)."""
-        try:
-            result = sent.lease.commit(sent.keys, parent=sent.parent, token_ids=sent.token_ids)
-        except KVTierError as exc:
-            self.link.failed(f"storing {len(sent.keys)} pages of request {req_id}", exc)
-            self._release(sent.lease)
-            return None
-        duplicates = set(result.duplicates)
-        self._stats.add(store_blocks=len(sent.keys) - len(duplicates), store_duplicate_blocks=len(duplicates))
-        return tuple(i for i in range(len(sent.keys)) if i not in duplicates)
-
-    def _settle(self, req_id: str, group: int, sent: _SentSave, new: tuple[int, ...] | None) -> None:
-        """Count what became of a save of one group; the first group's keys name the blocks
-        (the request's `stored_blocks`, the keys being stored)."""
+    def _settle(self, end: SaveEnd | None) -> None:
+        """Count what became of one group's save; the first group's keys name the blocks
+        (the request's `stored_blocks`, the keys being stored, the KV events)."""
+        if end is None:
+            return  # given up already
+        sent, new = end.sent, end.new
         if new is None:
             self._stats.add(store_failed_blocks=len(sent.keys))
-        if group != 0:
+        else:
+            self._stats.add(store_blocks=len(new), store_duplicate_blocks=len(sent.keys) - len(new))
+        if end.group != 0:
             return
-        state = self._requests.get(req_id)
+        state = self._requests.get(end.req_id)
         if state is not None:
             state.stored_blocks -= len(sent.keys) - len(new or ())
         if new is None:
-            for key in sent.keys:
-                if self._storing.get(key) == req_id:
-                    del self._storing[key]
+            self.saves.unmark(sent.keys, end.req_id)
         elif sent.event is not None:
             self._events.extend(sent.event.events(new, self.block_size))
-
-    def _give_up_unreported(self) -> None:
-        """Release the pages of saves whose reports never came (SAVE_REPORT_STEPS)."""
-        late = [key for key, sent in self._sent.items() if self._outputs - sent.sent_at > SAVE_REPORT_STEPS]
-        for req_id, first, group in late:
-            sent = self._sent.pop((req_id, first, group))
-            log.warning("kvtier connector: no worker report for %d blocks of request %s after %d steps; not stored",
-                        len(sent.keys), req_id, SAVE_REPORT_STEPS)
-            self._release(sent.lease)
-            self._settle(req_id, group, sent, None)
-
-    def _release(self, lease: WriteLease) -> None:
-        if lease.ended:
-            return
-        try:
-            lease.release()
-        except KVTierError as exc:
-            log.warning("kvtier connector: could not release lease %s: %s", lease.lease_id, exc)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []
@@ -534,7 +396,7 @@ class KVTierScheduler:
         and the KV events not taken yet, and say False: kvtier's pages are not
         dropped. They belong to the namespace, which other engines share and which outlives
         this one; KV computed with other weights needs another namespace."""
-        self._storing.clear()  # (saves in flight still end as the workers report them)
+        self.saves.storing.clear()  # (saves in flight still end as the workers report them)
         self._events.clear()
         for state in self._requests.values():
             state.storing.clear()
@@ -550,9 +412,7 @@ class KVTierScheduler:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        for key in state.storing:
-            if self._storing.get(key) == request.request_id:
-                del self._storing[key]
+        self.saves.unmark(state.storing, request.request_id)
         # Saves run synchronously inside the step that scheduled them: nothing is in flight.
         return False, {"kvtier": {
             "loaded_tokens": state.loaded_tokens,
