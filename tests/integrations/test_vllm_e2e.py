@@ -221,6 +221,8 @@ def test_vllm_connector_config_errors(tmp_path: Path) -> None:
         "planner": {"planner": "maybe"},
         "timeout": {"connect_timeout": 0},
         "format": {"kv_cache_format": "nhd"},
+        "async": {"async_loads": "sometimes"},
+        "max_load": {"max_load_tokens": -5},
         "tls_on_unix": {"target": "unix:///x.sock", "tls_ca": str(token)},
         "good": {"target": "unix:///run/kvtier.sock", "token_file": str(token), "salt": "t", "planner": False},
     }
@@ -235,6 +237,8 @@ def test_vllm_connector_config_errors(tmp_path: Path) -> None:
     assert "must be true or false" in answers["planner"]
     assert "connect_timeout must be positive" in answers["timeout"]
     assert "kv_cache_format must be one of" in answers["format"]
+    assert "async_loads must be one of" in answers["async"]
+    assert "max_load_tokens must be a whole number" in answers["max_load"]
     assert "not a unix socket" in answers["tls_on_unix"]
     good = answers["good"]
     assert good.startswith("ConnectorConfig(") and "use_planner=False" in good and "salt=b't'" in good

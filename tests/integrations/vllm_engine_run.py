@@ -6,7 +6,7 @@
     vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model]
                            [--kvtier TARGET --namespace NS] [--no-prefix-caching] [--in-process]
                            [--max-tokens N] [--max-num-batched-tokens N] [--long-prefill-token-threshold N]
-                           [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats] [--tp N]
+                           [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats] [--tp N] [--kv-extra JSON]
         (--build-model: build MODEL_DIR first, in this process) run the prompts one
         generate() call after another (greedy) and write, per prompt,
         the prompt and generated token ids, the generated tokens' logprobs, vLLM's
@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> None:
             kv_connector_module_path="kvtier_client.integrations.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"target": args.kvtier, "namespace": args.namespace, "salt": "e2e"},
+            kv_connector_extra_config={"target": args.kvtier, "namespace": args.namespace, "salt": "e2e",
+                                       **json.loads(args.kv_extra)},
         )
     options = {}
     if args.tp > 1:
@@ -193,6 +194,7 @@ def main() -> None:
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--max-tokens", type=int, default=12)
     r.add_argument("--tp", type=int, default=1, help="tensor parallel size (one CPU core per rank)")
+    r.add_argument("--kv-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     r.add_argument("--max-num-batched-tokens", type=int, help="small values split prompts into prefill chunks")
     r.add_argument("--long-prefill-token-threshold", type=int,
                    help="at most this many prompt tokens per request and step (requests prefill side by side)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 32, 2, 64, 40
 FULL_LAYERS = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
@@ -25,13 +26,15 @@ WINDOW_LAYERS = ["model.layers.1.self_attn.attn"]
 def groups(target: str) -> dict:
     import torch
     from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvtier_client import PageLayout
     from kvtier_client.groups import GroupMode
-    from kvtier_client.integrations.vllm import ConnectorConfig, KVTierScheduler, KVTierWorker
+    from kvtier_client.integrations.vllm import ConnectorConfig, KVTierConnectorMetadata, KVTierScheduler, KVTierWorker
     from kvtier_client.integrations.vllm.kv_groups import KVGroup
     from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.link import DaemonLink
@@ -55,20 +58,14 @@ def groups(target: str) -> dict:
     worker.register_kv_caches(kv)
     ids, words = itertools.count(), itertools.count(1)
 
-    def run(prompt: list[int], block_ids: tuple[list[int], list[int]], fail_group: int | None = None) -> dict:
-        """Admit a request into per-group blocks and run its prefill step (the worker's
-        writes of `fail_group` reported failed); what it loaded and stored."""
-        request = Request(f"r{next(ids)}", prompt, SamplingParams(max_tokens=1), None)
-        scheduler.on_new_request(request)
-        external, _ = scheduler.get_num_new_matched_tokens(request, 0)
-        request.num_computed_tokens = external or 0
-        scheduler.update_state_after_alloc(request, None, external or 0)
-        left = len(prompt) - request.num_computed_tokens
+    def step(scheduled: dict, new: list, fail_group: int | None = None) -> KVTierConnectorMetadata:
+        """One engine step: metadata, the worker's hooks, its report back to the scheduler
+        (the writes of `fail_group` reported failed)."""
         meta = scheduler.build_connector_meta(SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(request, block_ids)],
-            scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={request.request_id: left},
-            total_num_scheduled_tokens=left, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-            finished_req_ids=set(), free_encoder_mm_hashes=[]))
+            scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+            free_encoder_mm_hashes=[]))
         with torch.inference_mode():
             worker.start_step()
             worker.start_load_kv(meta)
@@ -79,9 +76,32 @@ def groups(target: str) -> dict:
         if report is not None and fail_group is not None:
             report.saves = [dataclasses.replace(s, ok=False) if s.group == fail_group else s for s in report.saves]
         scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+        return meta
+
+    def run(prompt: list[int], block_ids: tuple[list[int], list[int]], fail_group: int | None = None) -> dict:
+        """Admit a request into per-group blocks and run its prefill step; a hit is loaded
+        in the background (a hybrid model's loads are asynchronous) while the request waits,
+        as vLLM's WAITING_FOR_REMOTE_KVS, then the request computes the rest."""
+        request = Request(f"r{next(ids)}", prompt, SamplingParams(max_tokens=1), None)
+        scheduler.on_new_request(request)
+        external, background = scheduler.get_num_new_matched_tokens(request, 0)
+        blocks = KVCacheBlocks(tuple([KVCacheBlock(i) for i in group_ids] for group_ids in block_ids))
+        scheduler.update_state_after_alloc(request, blocks, external or 0)
+        request.num_computed_tokens = external or 0
+        loads, finished = [], set()
+        if background:
+            loads = step({}, []).loads  # the request waits; the step's other work would go on
+            deadline = time.monotonic() + 30
+            while request.request_id not in finished and time.monotonic() < deadline:
+                done, failed = worker.transfer_results()
+                finished |= done
+                time.sleep(0.01)
+        left = len(prompt) - request.num_computed_tokens
+        meta = step({request.request_id: left}, [NewRequestData.from_request(request, block_ids)], fail_group)
         done = scheduler.request_finished(request, [])[1]["kvtier"]
         return {"loaded_tokens": done["loaded_tokens"], "stored_blocks": done["stored_blocks"],
-                "loads": {op.group: op.block_ids for op in meta.loads},
+                "background": background, "finished": request.request_id in finished,
+                "loads": {op.group: op.block_ids for op in loads + meta.loads},
                 "saves": {op.group: op.block_ids for op in meta.saves}}
 
     def prompt(blocks: int) -> list[int]:

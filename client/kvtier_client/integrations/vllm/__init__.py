@@ -97,6 +97,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
@@ -156,6 +157,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
         block_size = vllm_config.cache_config.block_size
         self.groups = kv_groups(kv_cache_config, vllm_config)
+        if len(self.groups) > 1 and self.config.async_loads == "never":
+            raise ValueError("kvtier connector: async_loads='never' is not possible for a model with several KV cache "
+                             "groups: vLLM takes such a model's load failures only per request, from background loads; "
+                             "use 'auto' or 'always'")
         if transfer.kv_load_failure_policy != "recompute":
             log.info(
                 "kvtier connector: kv_load_failure_policy=%r; with 'recompute' a page evicted between lookup and "
@@ -262,7 +267,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.build_connector_worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves complete within their step
+        finished, _ = self.worker.transfer_results()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Background loads that ended (saves end within their step): a load some block of
+        which did not arrive is also `failed_recving`, and vLLM recomputes the request."""
+        finished, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

@@ -20,10 +20,15 @@ if TYPE_CHECKING:
 #: kv_connector_extra_config keys this connector reads.
 CONFIG_KEYS = (
     "target", "namespace", "salt", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
-    "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format",
+    "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format", "async_loads", "max_load_tokens",
 )
 #: How a layer's KV tensor holds K and V (kvtier_client.integrations.vllm.worker).
 KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
+#: When a load runs in the background (vLLM's asynchronous external hits: the request waits,
+#: the others' steps go on): "auto" when a page must come from disk or the cluster (or the
+#: model has several KV cache groups, whose load failures vLLM takes only per request),
+#: "always", or "never" (loads run before the step's forward pass).
+ASYNC_LOADS = ("auto", "always", "never")
 
 
 def _default_target() -> str:
@@ -64,6 +69,8 @@ class ConnectorConfig:
     prefetch: bool = True
     connect_timeout: float = 10.0
     kv_cache_format: str = "auto"
+    async_loads: str = "auto"
+    max_load_tokens: int | None = None  # at most this many tokens loaded per request (None: no limit)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
@@ -110,10 +117,17 @@ class ConnectorConfig:
         kv_format = _as_str(extra, "kv_cache_format", "auto")
         if kv_format not in KV_CACHE_FORMATS:
             raise ValueError(f"kvtier connector: kv_cache_format must be one of {KV_CACHE_FORMATS}, got {kv_format!r}")
+        async_loads = _as_str(extra, "async_loads", "auto")
+        if async_loads not in ASYNC_LOADS:
+            raise ValueError(f"kvtier connector: async_loads must be one of {ASYNC_LOADS}, got {async_loads!r}")
+        max_load = extra.get("max_load_tokens")
+        if max_load is not None and (isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0):
+            raise ValueError(f"kvtier connector: max_load_tokens must be a whole number of tokens >= 0, got {max_load!r}")
         return cls(
             target=target, namespace=namespace, salt=salt.encode(), token=token, tls=tls,
             insecure=_as_bool(extra, "insecure", False), use_planner=_as_bool(extra, "planner", True),
             prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
+            async_loads=async_loads, max_load_tokens=max_load,
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:

@@ -17,12 +17,15 @@ from kvtier_client.keys import BlockKey
 @dataclass
 class LoadOp:
     """Copy the cached pages of `keys` into vLLM blocks `block_ids` (same length) of KV
-    cache group `group` (kvtier_client.integrations.vllm.kv_groups)."""
+    cache group `group` (kvtier_client.integrations.vllm.kv_groups). `background`: the
+    request waits for it (vLLM's asynchronous load), so it runs beside the step's forward
+    pass and is reported finished (or failed) through vLLM's transfer results."""
 
     req_id: str
     block_ids: list[int]
     keys: list[BlockKey]
     group: int = 0
+    background: bool = False
 
 
 @dataclass

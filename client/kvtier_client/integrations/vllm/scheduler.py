@@ -81,7 +81,7 @@ class _RequestState:
     found: tuple[int, int] = (0, 0)  # at the last lookup: cached blocks beyond vLLM's hit, of which to load
     candidate: tuple[int, int, int] | None = None  # (first block, end block, external tokens) offered
     candidate_tiers: tuple[Tier, ...] = ()
-    candidate_needs: tuple[range, ...] = ()  # per group, the blocks a restore to the candidate's end needs
+    candidate_async: bool = False  # the candidate load runs in the background (async_loads)
     load: tuple[int, int] | None = None  # blocks to load in the next step
     load_tiers: tuple[Tier, ...] = ()
     load_needs: tuple[range, ...] = ()
@@ -137,6 +137,7 @@ class KVTierScheduler:
         self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
+        self._loading: list[str] = []  # requests whose background load goes out with the next metadata
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
@@ -183,6 +184,9 @@ class KVTierScheduler:
             n, state.plan_reason = plan.load_blocks, plan.reason
         else:
             n, state.plan_reason = beyond.hit_blocks, "planner off: loading every cached block"
+        limit = self.config.max_load_tokens
+        if limit is not None and n * block > limit:
+            n, state.plan_reason = limit // block, f"{state.plan_reason}; at most max_load_tokens={limit}"
         if not self._plain and 0 < n < beyond.hit_blocks:
             # A hybrid prefix restores only at an end every group was asked about.
             n, state.plan_reason = 0, f"{state.plan_reason}; a hybrid prefix is loaded whole or not at all"
@@ -195,7 +199,16 @@ class KVTierScheduler:
         end = -(-target // block)
         state.candidate = (local, end, external)
         state.candidate_tiers = tuple(tiers[local:end])
-        return external, False
+        state.candidate_async = self._in_background(state.candidate_tiers)
+        return external, state.candidate_async
+
+    def _in_background(self, tiers: tuple[Tier, ...]) -> bool:
+        """Whether a load from these tiers runs asynchronously (ConnectorConfig.async_loads):
+        the request waits for it while the others' steps go on."""
+        mode = self.config.async_loads
+        if mode != "auto":
+            return mode == "always"
+        return len(self.groups) > 1 or any(t >= Tier.DISK for t in tiers)
 
     def _lookup(self, state: _RequestState) -> tuple[int, tuple[Tier, ...]]:
         """How many leading blocks kvtier can restore, and the tier each must be loaded
@@ -229,6 +242,11 @@ class KVTierScheduler:
         state.load_needs = tuple(needed_blocks(g.mode, g.window, end) for g in self.groups)
         state.loaded_tokens += num_external_tokens
         state.candidate = None
+        if state.candidate_async:
+            # The request waits (vLLM's WAITING_FOR_REMOTE_KVS) and is not scheduled until the
+            # load is done: its LoadOps go out with the next metadata, from these blocks.
+            state.block_ids = self._group_ids(blocks.get_block_ids())
+            self._loading.append(request.request_id)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         state = self._requests.get(request.request_id)
@@ -249,6 +267,12 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         meta = KVTierConnectorMetadata(step_tokens=scheduler_output.total_num_scheduled_tokens)
+        for req_id in self._loading:
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                (start, end), state.load = state.load, None
+                self._add_loads(state, req_id, start, end, meta, background=True)
+        self._loading.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -308,7 +332,7 @@ class KVTierScheduler:
         self._add_saves(state, req_id, first, full, meta)
 
     def _add_loads(self, state: _RequestState, req_id: str, start: int, end: int,
-                   meta: KVTierConnectorMetadata) -> None:
+                   meta: KVTierConnectorMetadata, *, background: bool = False) -> None:
         """LoadOps for blocks [start, end) of the request: per group, those a restore to
         `end` needs (all of them for full attention, the trailing window for a window)."""
         if any(end > len(ids) for ids in state.block_ids):  # cannot happen with a consistent block table
@@ -318,7 +342,7 @@ class KVTierScheduler:
         for g, (need, ids, keys) in enumerate(zip(state.load_needs, state.block_ids, state.group_keys)):
             blocks = [i for i in range(max(start, need.start), end) if not self._dropped(g, ids[i])]
             if blocks:
-                meta.loads.append(LoadOp(req_id, [ids[i] for i in blocks], [keys[i] for i in blocks], g))
+                meta.loads.append(LoadOp(req_id, [ids[i] for i in blocks], [keys[i] for i in blocks], g, background))
 
     def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int,
                    meta: KVTierConnectorMetadata) -> None:

@@ -27,7 +27,9 @@ page of a LoadOp or SaveOp in one kernel launch (its per-layer hooks are skipped
 """
 from __future__ import annotations
 
+import queue
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,6 +55,16 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+
+
+@dataclass(frozen=True)
+class _LoadDone:
+    """What one LoadOp did: blocks copied of how many, bytes, seconds spent copying."""
+
+    op: LoadOp
+    copied: int
+    copy_bytes: int
+    copy_seconds: float
 
 
 @dataclass
@@ -152,6 +164,13 @@ class KVTierWorker:
         self._report = KVTierWorkerMetadata()
         self._stats = KVTierConnectorStats()
         self._copy_threads = CopyThreads()
+        #: Background loads (LoadOp.background): one thread runs them in order; their ends
+        #: come back through `_loaded` and are reported by `transfer_results`.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._loaded: queue.SimpleQueue[_LoadDone] = queue.SimpleQueue()
+        self._loading: Counter[str] = Counter()  # req_id -> its background LoadOps not done yet
+        self._failed: set[str] = set()  # requests one of whose background LoadOps failed
+        self._load_stream = None  # a CUDA stream of its own for background loads (GPU only)
 
     # -- engine KV as pages ------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -176,13 +195,37 @@ class KVTierWorker:
             return
         started = time.perf_counter()
         for op in meta.loads:
-            self._load(op, self.groups[op.group])
+            if op.background:
+                self._loading[op.req_id] += 1
+                self._loader.submit(self._load_in_background, op)
+            else:
+                self._count(self._load(op))
         elapsed = time.perf_counter() - started
         self._connector_seconds += elapsed
         self._stats.add(load_seconds=elapsed)
 
-    def _load(self, op: LoadOp, group: GroupViews) -> None:
-        copied = 0
+    def _load_in_background(self, op: LoadOp) -> None:
+        """A background load, in the loader thread: as vLLM's forward passes, in inference
+        mode, on a CUDA stream of its own on a GPU."""
+        done = _LoadDone(op, 0, 0, 0.0)
+        try:
+            with torch.inference_mode():
+                if self.groups[op.group].cuda:
+                    if self._load_stream is None:
+                        self._load_stream = torch.cuda.Stream()
+                    with torch.cuda.stream(self._load_stream):
+                        done = self._load(op)
+                else:
+                    done = self._load(op)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed load, never lost with the thread
+            log.warning("kvtier connector: background load for request %s failed: %s", op.req_id, exc)
+        finally:
+            self._loaded.put(done)
+
+    def _load(self, op: LoadOp) -> _LoadDone:
+        """Acquire a LoadOp's pages and copy this worker's part of them into its blocks."""
+        group = self.groups[op.group]
+        copied, seconds = 0, 0.0
         if group.link.available():
             try:
                 with group.kv.acquire(op.keys, wait=Wait.ALL) as lease:
@@ -195,16 +238,42 @@ class KVTierWorker:
                     else:
                         load_pages(group.views, [group.parts(p) for p in pages], op.block_ids[: len(pages)],
                                    self._copy_threads)
-                    self._report.copy_seconds += time.perf_counter() - started
+                    seconds = time.perf_counter() - started
                     copied = len(pages)
-                    self._report.copy_bytes += copied * group.part_bytes
             except KVTierError as exc:
                 group.link.failed(f"loading {len(op.keys)} pages of request {op.req_id}", exc)
-        self._stats.add(load_blocks=copied, load_bytes=copied * group.part_bytes,
-                        load_failed_blocks=len(op.block_ids) - copied)
-        if copied < len(op.block_ids):
+        return _LoadDone(op, copied, copied * group.part_bytes, seconds)
+
+    def _count(self, done: _LoadDone) -> bool:
+        """Count a finished load; False if some of its blocks did not arrive."""
+        missing = len(done.op.block_ids) - done.copied
+        self._report.copy_bytes += done.copy_bytes
+        self._report.copy_seconds += done.copy_seconds
+        self._stats.add(load_blocks=done.copied, load_bytes=done.copy_bytes, load_failed_blocks=missing)
+        if missing and not done.op.background:
             # vLLM recomputes from the first block that did not arrive (kv_load_failure_policy).
-            self._load_errors.update(op.block_ids[copied:])
+            self._load_errors.update(done.op.block_ids[done.copied :])
+        return not missing
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose background loads all ended since the last call, and those of them
+        where some block did not arrive (vLLM recomputes them whole)."""
+        finished: set[str] = set()
+        while True:
+            try:
+                done = self._loaded.get_nowait()
+            except queue.Empty:
+                break
+            req_id = done.op.req_id
+            if not self._count(done):
+                self._failed.add(req_id)
+            self._loading[req_id] -= 1
+            if self._loading[req_id] <= 0:
+                del self._loading[req_id]
+                finished.add(req_id)
+        failed = finished & self._failed
+        self._failed -= failed
+        return finished, failed
 
     def save_kv_layer(self, layer_name: str, meta: KVConnectorMetadata | None) -> None:
         where = self._layer_index.get(layer_name)
@@ -294,7 +363,9 @@ class KVTierWorker:
         return errors
 
     def shutdown(self) -> None:
-        """(The pages of saves in flight are the scheduler's: it releases them, or the daemon
-        does when the scheduler's session ends.)"""
+        """Let background loads end (their leases are released as they do). (The pages of
+        saves in flight are the scheduler's: it releases them, or the daemon does when the
+        scheduler's session ends.)"""
         self._pending_saves = None
+        self._loader.shutdown(wait=True)
         self._copy_threads.close()
