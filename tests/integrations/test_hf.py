@@ -1,6 +1,8 @@
 """The transformers helper against a real daemon: restored prefixes continue exactly like a
 full recompute, conversations reuse earlier turns, tenants never share pages, bad input is
-refused clearly. Models are tiny and randomly initialised from configs (no downloads)."""
+refused clearly; sliding-window and attention/recurrent hybrid models restore only what
+every cache group has (a window's blocks, a state at a block boundary). Models are tiny and
+randomly initialised from configs (no downloads)."""
 from __future__ import annotations
 
 import os
@@ -10,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hybrids' kernels fall back to torch; nothing is fetched
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from daemon import Daemon, start_daemon, stop_keeper
 from kvtier_client import KVTierClient, PageLayout, Tier
 from kvtier_client.integrations.hf import (
+    GroupPages,
     HFPrefixCache,
     LoadEverything,
     model_namespace,
@@ -51,10 +55,42 @@ def _neox(seed: int = 0):
 
 ARCHS = {"llama": _llama, "qwen2": _qwen2, "gpt_neox": _neox}
 
+# Sliding-window and hybrid models: head_dim 32 and 2 KV heads everywhere, so their groups
+# share the pools of the models above; a window of 24 tokens spans two or three blocks.
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+WINDOW = 24
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16)
+WINDOWED = {  # name: a function building the model
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**COMMON, **HEADS, sliding_window=WINDOW)),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **HEADS, sliding_window=WINDOW, sliding_window_pattern=3)),
+    "mistral_sliding": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, **HEADS, sliding_window=WINDOW)),
+    "llama4_chunked": lambda: transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **COMMON, **HEADS, attention_chunk_size=WINDOW, num_local_experts=1, intermediate_size_mlp=256,
+        no_rope_layers=[1, 1], moe_layers=[])),
+}
+HYBRID = {
+    "granite4_h": lambda: transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
+        **COMMON, **HEADS, layer_types=["mamba", "attention"], num_local_experts=0, **MAMBA)),
+    "falcon_h1": lambda: transformers.FalconH1ForCausalLM(
+        transformers.FalconH1Config(**COMMON, **HEADS, mamba_d_ssm=256, **MAMBA)),
+    "qwen3_next": lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **COMMON, **HEADS, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=0,
+        mlp_only_layers=[0, 1])),
+}
+
+
+def _made(make, seed: int = 0):
+    torch.manual_seed(seed)
+    return make().eval()
+
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Daemon:
-    d = start_daemon(tmp_path_factory.mktemp("kvhf"), host_size="8MiB", disk_size="32MiB")
+    d = start_daemon(tmp_path_factory.mktemp("kvhf"), "--max-pools", "12", host_size="8MiB", disk_size="32MiB")
     try:
         yield d
     finally:
@@ -66,6 +102,12 @@ def daemon(tmp_path_factory) -> Daemon:
 @pytest.fixture(scope="module")
 def models():
     return {name: make() for name, make in ARCHS.items()}
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    """The sliding-window and hybrid models, built once (a few seconds of imports in all)."""
+    return {name: _made(make) for name, make in {**WINDOWED, **HYBRID}.items()}
 
 
 @pytest.fixture
@@ -292,29 +334,160 @@ def test_one_checkpoint_at_two_paths_shares_pages_and_other_weights_do_not(tmp_p
     assert stored.stored_blocks + stored.already_cached == 4 and restored.blocks == 4
 
 
-def test_a_sliding_window_config_is_refused_when_the_helper_is_built(client, namespace):
-    """Mistral's config sets sliding_window (no layer_types): refused up front, with the message
-    a sliding cache layer gets at store time."""
-    shape = dict(COMMON, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    sliding = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=32)).eval()
-    with pytest.raises(ValueError, match="sliding_window=32") as built:
-        HFPrefixCache(client(), sliding, namespace=namespace)
-    with pytest.raises(ValueError, match="sliding_window=32"):
-        page_layout(sliding.config)
+def _helper(model, client, namespace, **kwargs) -> HFPrefixCache:
+    """A helper that loads everything it finds, with `client` (the fixture) for further layouts."""
+    return HFPrefixCache(client(), model, namespace=namespace, planner=LoadEverything(), connect=client, **kwargs)
 
-    torch.manual_seed(0)
-    full = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=None)).eval()
-    cache = HFPrefixCache(client(), full, namespace=namespace, planner=LoadEverything())  # accepted
-    ids = _prompt(40, seed=14)
-    window = DynamicCache(config=sliding.config)
+
+@pytest.mark.parametrize("arch", [*WINDOWED, *HYBRID])
+def test_windowed_and_hybrid_models_restore_exactly(arch, grouped, client, namespace):
+    """Second prefill of a 75-token prompt: 4 blocks come back, every group has what it needs
+    (a window group all its blocks, stored while the cache recorded them; a state group the
+    state at the last block boundary, 64, where the first prefill stopped a piece)."""
+    model = grouped[arch]
+    cache = _helper(model, client, namespace)
+    window = f"window-{WINDOW}"
+    assert tuple(g.name for g in cache.groups) == {
+        "gemma2": ("full", window), "gemma3": ("full", window), "mistral_sliding": (window,),
+        "llama4_chunked": (window,),
+    }.get(arch, ("full", "state"))
+    ids = _prompt(75, seed=21)
+    full = _full_logits(model, ids)
+
+    first = cache.prefill(ids)
+    assert first.restored.tokens == 0 and first.stored.full_blocks == 4
+    assert (first.logits - full).abs().max().item() <= TOL  # a prefill in pieces is the same prefill
+    stored = {g.group: g.pages for g in first.stored.groups}
+    assert stored == {g.name: 1 if g.kind.value == "state" else 4 for g in cache.groups}
+
+    second = cache.prefill(ids)
+    r = second.restored
+    assert (r.blocks, r.tokens, r.cached_blocks) == (4, 64, 4), r.note
+    read = {g.group: g.pages for g in r.groups}
+    assert read == {g.name: {"full": 4, "window": 2, "state": 1}[g.kind.value] for g in cache.groups}
+    assert (second.logits - full[:, 64:]).abs().max().item() <= TOL
+    assert second.stored.stored_blocks == 0 and second.stored.already_cached == 4
+    cache.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral_sliding", "granite4_h", "falcon_h1"])
+def test_windowed_and_hybrid_generate_gives_the_same_tokens(arch, grouped, client, namespace):
+    model = grouped[arch]
+    cache = _helper(model, client, namespace)
+    ids = _prompt(53, seed=22)
     with torch.no_grad():
-        sliding(input_ids=ids, use_cache=True, **cache.cache_kwargs(window))
-    with pytest.raises(ValueError, match="cache layer 0 is a sliding-window layer") as stored:
-        cache.store(ids, window)
-    reason = "supports models whose every layer is full attention"
-    assert str(built.value).split(": ", 1)[1] == str(stored.value).split(": ", 1)[1]
-    assert reason in str(built.value)
+        plain = model.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+    cold = cache.generate(ids, max_new_tokens=12, do_sample=False)
+    assert cold.stored.stored_blocks == 4  # (53 + 12 - 1) // 16
+    warm = cache.generate(ids, max_new_tokens=12, do_sample=False)
+    assert warm.restored.tokens == 48, warm.restored.note  # a state too: the head stopped a piece at 48
+    assert cold.new_tokens == warm.new_tokens == plain[0, 53:].tolist()
+    for layer in warm.cache.layers:  # window layers are back to their window once stored
+        if getattr(layer, "is_sliding", False):
+            assert layer.keys.shape[2] == WINDOW - 1 and not layer.record_past
+
+
+def test_a_hybrid_conversation_restores_each_earlier_turn_from_its_last_state(grouped, client, namespace):
+    """The state at the last block boundary of each turn's reply is taken during generate()
+    (a logits processor that only watches), so the next turn restores the whole of it."""
+    model = grouped["granite4_h"]
+    cache = _helper(model, client, namespace)
+    conversation, stored_before = _prompt(40, seed=23)[0].tolist(), 0
+    for turn in range(2):
+        out = cache.generate(conversation, max_new_tokens=10, do_sample=False)
+        with torch.no_grad():
+            ids = torch.tensor([conversation])
+            plain = model.generate(ids, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(ids))
+        assert out.sequences[0].tolist() == plain[0].tolist(), f"turn {turn}"
+        assert out.restored.tokens == stored_before * B, out.restored.note
+        stored_before = (len(out.sequences[0]) - 1) // B
+        conversation = out.sequences[0].tolist() + _prompt(21, seed=30 + turn)[0].tolist()
+    assert stored_before * B > 40  # the second turn restored past the first prompt
+
+
+def test_missing_window_blocks_stop_the_restore_where_a_window_is_whole(grouped, client, namespace):
+    """A cache that did not record its window layers' past (the model's own) gives only the
+    last window's blocks: a later restore stops where a whole window is cached."""
+    model = grouped["gemma2"]
+    cache = _helper(model, client, namespace)
+    short = _prompt(40, seed=24)
+    cache.prefill(short)  # full and window blocks 0, 1
+    long = torch.cat([short, _prompt(60, seed=25)], dim=1)  # 100 tokens
+    own = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=long, use_cache=True, **cache.cache_kwargs(own))
+    stored = cache.store(long, own)  # the window layer holds tokens [77, 100): block 5 only
+    assert stored.groups == (GroupPages("full", 4, 2), GroupPages(f"window-{WINDOW}", 1, 2))
+
+    full = _full_logits(model, long)
+    out = cache.prefill(long, store=False)
+    r = out.restored
+    # At 6 blocks the window [73, 96) needs block 4: missing. At 4, [41, 64) needs 2: missing.
+    # At 2, [9, 32) is blocks 0 and 1: cached.
+    assert (r.cached_blocks, r.blocks, r.tokens) == (2, 2, 32)
+    assert (out.logits - full[:, 32:]).abs().max().item() <= TOL
+
+
+def test_a_missing_state_stops_the_restore_at_a_boundary_that_has_one(grouped, client, namespace):
+    model = grouped["granite4_h"]
+    cache = _helper(model, client, namespace)
+    short = _prompt(40, seed=26)
+    assert cache.prefill(short).stored.groups[1] == GroupPages("state", 1, 0)  # at 32 tokens
+    long = torch.cat([short, _prompt(45, seed=27)], dim=1)  # 85 tokens
+    own = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=long, use_cache=True, **cache.cache_kwargs(own))
+    stored = cache.store(long, own)  # its state is at 85 tokens, no boundary: KV only
+    assert stored.groups == (GroupPages("full", 3, 2), GroupPages("state", 0, 0))
+
+    full = _full_logits(model, long)
+    out = cache.prefill(long)  # states at 5, 4 and 3 blocks are missing; 2 has one
+    assert (out.restored.cached_blocks, out.restored.tokens) == (2, 32)
+    assert (out.logits - full[:, 32:]).abs().max().item() <= TOL
+    again = cache.prefill(long)  # the prefill kept the state at 80
+    assert again.restored.tokens == 80 and (again.logits - full[:, 80:]).abs().max().item() <= TOL
+
+
+def test_state_every_keeps_states_a_shared_prefix_restores_from(grouped, client, namespace):
+    model = grouped["qwen3_next"]
+    shared = _prompt(40, seed=28)
+    other = torch.cat([shared, _prompt(30, seed=29)], dim=1)
+    plain = _helper(model, client, namespace)
+    plain.prefill(torch.cat([shared, _prompt(35, seed=30)], dim=1))  # a state at 64 only
+    assert plain.restore(other).tokens == 0  # blocks 0-1 are cached, but no state at 32
+    every = _helper(model, client, namespace + "-every", state_every=1)
+    every.prefill(torch.cat([shared, _prompt(35, seed=30)], dim=1))  # states at 16, 32, 48, 64
+    out = every.prefill(other)
+    assert out.restored.tokens == 32
+    assert (out.logits - _full_logits(model, other)[:, 32:]).abs().max().item() <= TOL
+
+
+def test_groups_with_equal_layouts_share_a_client_but_never_a_key(grouped, client, namespace):
+    """Gemma 2's one window layer and one full layer have the same page layout: one client,
+    one pool, and keys salted per group (if they collided, the window pages would be found
+    as duplicates of the full ones)."""
+    model = grouped["gemma2"]
+    kv = client()
+    cache = HFPrefixCache(kv, model, namespace=namespace, planner=LoadEverything())  # no connect needed
+    assert len({g.layout for g in cache.groups}) == 1 and all(cache.client_for(g) is kv for g in cache.groups)
+    ids = _prompt(70, seed=31)
+    assert cache.prefill(ids).stored.groups == (GroupPages("full", 4, 0), GroupPages(f"window-{WINDOW}", 4, 0))
+    full_keys, window_keys = (g.keys(kv.block_keys, ids[0].tolist(), b"") for g in cache.groups)
+    assert full_keys == kv.block_keys(ids[0].tolist()) and not set(full_keys) & set(window_keys)
+
+
+def test_models_the_helper_cannot_restore_are_refused_when_it_is_built(grouped, client, namespace):
+    torch.manual_seed(0)
+    mamba = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_heads=8, head_dim=32, state_size=16, n_groups=1,
+        expand=2, chunk_size=16)).eval()
+    with pytest.raises(ValueError, match="no attention layer"):
+        HFPrefixCache(client(), mamba, namespace=namespace)
+    with pytest.raises(ValueError, match="pass connect="):  # a hybrid needs a client per layout
+        HFPrefixCache(client(), grouped["granite4_h"], namespace=namespace)
+    with pytest.raises(ValueError, match="several kinds of layers"):
+        page_layout(grouped["gemma2"])
+    assert page_layout(grouped["mistral_sliding"]) == page_layout(_llama())  # one window group: one layout
 
 
 def test_bad_input_is_refused_clearly(models, client, namespace):
@@ -337,11 +510,12 @@ def test_bad_input_is_refused_clearly(models, client, namespace):
         models["gpt_neox"](input_ids=_prompt(40, seed=11), use_cache=True, **cache.cache_kwargs(foreign))
     with pytest.raises(ValueError, match="model config mismatch"):
         cache.store(_prompt(40, seed=11), foreign)
-
-    sliding = transformers.Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                       use_sliding_window=True, sliding_window=32, max_window_layers=0)
-    with pytest.raises(ValueError, match="sliding"):
-        page_layout(sliding, dtype="float32")
+    # A sliding-window cache (same shapes) is not this model's either.
+    window = DynamicCache(config=transformers.MistralConfig(**COMMON, **HEADS, sliding_window=WINDOW))
+    with torch.no_grad():
+        models["llama"](input_ids=_prompt(40, seed=11), use_cache=True, **cache.cache_kwargs(window))
+    with pytest.raises(ValueError, match="cache layer 0 is not a full layer"):
+        cache.store(_prompt(40, seed=11), window)
 
 
 def test_importing_the_client_and_the_helper_loads_neither_torch_nor_transformers():

@@ -1,11 +1,11 @@
 """Hugging Face transformers: keep a causal LM's prompt KV in kvtier and restore it.
 
-After a prefill, `HFPrefixCache.store` copies the model's past keys and values, one full
-block of `block_tokens` tokens per page, into kvtier pages (only blocks the daemon does not
-hold yet). For a new prompt, `HFPrefixCache.restore` looks the prompt's block keys up, asks
-the load planner how many of the cached blocks are worth loading (never slower than
-recomputing them), copies those pages into a `transformers.DynamicCache` and returns it, so
-`forward()` / `generate()` prefill only the missing suffix:
+After a prefill, `HFPrefixCache.store` copies the model's cache, one full block of
+`block_tokens` tokens per page, into kvtier pages (only blocks the daemon does not hold
+yet). For a new prompt, `HFPrefixCache.restore` looks the prompt's block keys up, asks the
+load planner how many of the cached blocks are worth loading (never slower than recomputing
+them), copies those pages into the `transformers.DynamicCache` the model would build and
+returns it, so `forward()` / `generate()` prefill only the missing suffix:
 
     from kvtier_client import KVTierClient
     from kvtier_client.integrations.hf import HFPrefixCache
@@ -18,70 +18,80 @@ recomputing them), copies those pages into a `transformers.DynamicCache` and ret
 or step by step: ``r = cache.restore(ids)``; ``model(ids[:, r.tokens:], cache=r.cache)``;
 ``cache.store(ids, r.cache)``.
 
-What it supports: batch size 1 (one sequence per call); decoder-only models whose cache is
-the standard `DynamicCache` of full layers (per layer ``layers[i].keys`` / ``.values`` of
-shape ``[1, kv_heads, seq, head_dim]``): Llama, Mistral without a sliding window, Qwen2,
-GPT-NeoX and the like. Models with sliding-window, chunked or linear-attention layers (a
-`layer_types` entry, or a config that sets `sliding_window` such as Mistral 7B v0.1) are
-refused with an explanation when the helper is built; caches whose layers keep only a window
-are refused at store time with the same one. Pages are host pages: a model on a GPU
-works, its KV is copied through host memory.
+What it supports: batch size 1 (one sequence per call); decoder-only models whose cache
+layers are full attention (Llama, Qwen2, GPT-NeoX), sliding-window or chunked attention
+(Mistral with `sliding_window`, Gemma 2 and 3, Llama 4), linear attention or Mamba beside
+attention (Granite 4.0-H, Bamba, Falcon-H1, Qwen3-Next): each kind of layer is a group with
+its own page layout and keys (kvtier_client.integrations.hf_groups). A window group needs
+only the blocks inside the window that ends where the restore ends; a recurrent (Mamba /
+linear-attention) group needs its state at exactly that point, so such models restore to a
+block boundary where a state page was kept: `prefill` and `generate` keep one at the last
+block boundary of what they stored (and every `state_every` blocks if set), running the
+forward in pieces that end there. A restore is all or nothing: every group gets what it
+needs, or the restore stops at an earlier point, or nothing is restored. Models whose
+layers all keep a recurrent state only (Mamba), and cache layers of any other class, are
+refused with an explanation when the helper is built. Pages are host pages: a model on a
+GPU works, its KV is copied through host memory.
 
-Names: the page layout comes from the model config (`page_layout`); the namespace from the
-model's identity (`model_namespace`: its model type, and a fingerprint of its config's content
-and a sample of its weights, so two checkpoints, or two random initialisations, never share
-pages, while one checkpoint mounted at two paths does: the load path never enters it);
-`salt` (per tenant) enters every block key, so tenants with different salts never share
-pages even in one namespace. torch and transformers are imported on first use only.
+Clients: a `KVTierClient` holds one registration (one layout), so a model with several
+layouts (a hybrid) needs `connect`, a function returning a new client, called once per
+further layout; the helper registers those in the same namespace and closes them in
+`close()`.
+
+Names: the page layouts come from the model config (`page_layout`, `cache_groups`); the
+namespace from the model's identity (`model_namespace`: its model type, and a fingerprint
+of its config's content and a sample of its weights, so two checkpoints, or two random
+initialisations, never share pages, while one checkpoint mounted at two paths does: the
+load path never enters it); `salt` (per tenant) enters every block key, so tenants with
+different salts never share pages even in one namespace. torch and transformers are
+imported on first use only.
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtier_client.client import KVTierClient, Wait
+from kvtier_client.client import KVTierClient
 from kvtier_client.errors import CapacityError, FailedPrecondition, NotFound
+from kvtier_client.integrations import hf_pages as pages
+from kvtier_client.integrations.hf_groups import (
+    DEFAULT_BLOCK_TOKENS, CacheGroup, GroupKind, Need, PrefixSearch, cache_groups, layer_kinds, new_cache, page_layout,
+    probe_states, restored_tokens,
+)
+from kvtier_client.integrations.hf_model import cache_argument, forward_parameters, model_fingerprint, model_namespace
+from kvtier_client.integrations.hf_results import GenerateResult, GroupPages, PrefillResult, RestoreResult, StoreResult
+from kvtier_client.integrations.hf_states import StateHook, run_in_pieces
 from kvtier_client.integrations.planner import LoadPlan, Planner
 from kvtier_client.keys import BlockKey
-from kvtier_client.layout import DTYPE_BYTES, PageLayout
+from kvtier_client.layout import PageLayout
 from kvtier_client.results import LookupResult
 from kvtier_client.tiers import Tier
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 log = logging.getLogger("kvtier_client.hf")
 
 __all__ = [
     "GenerateResult",
+    "GroupPages",
     "HFPrefixCache",
     "LoadEverything",
     "PlannerLike",
     "PrefillResult",
     "RestoreResult",
     "StoreResult",
+    "cache_groups",
     "model_fingerprint",
     "model_namespace",
     "page_layout",
 ]
 
-DEFAULT_BLOCK_TOKENS = 16
 #: Most pages moved by one borrow or acquire (also at most half the host tier).
 DEFAULT_BATCH_BLOCKS = 1024
-#: Config keys that never change a model's keys and values (left out of the fingerprint).
-_NOT_KV = frozenset({
-    "transformers_version", "_name_or_path", "name_or_path", "_commit_hash", "use_cache", "output_attentions",
-    "output_hidden_states", "return_dict", "torchscript", "_attn_implementation", "attn_implementation",
-    "_attn_implementation_autoset", "architectures", "id2label", "label2id", "problem_type",
-    "tokenizer_class", "task_specific_params", "finetuning_task", "prefix", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "dtype", "torch_dtype",
-})
 
 
 class PlannerLike(Protocol):
@@ -104,218 +114,6 @@ class LoadEverything:
         pass
 
 
-# -- results ------------------------------------------------------------------
-@dataclass(frozen=True)
-class RestoreResult:
-    """A prompt's cached prefix, restored. `cache` (a transformers DynamicCache, empty when
-    nothing was restored) holds the KV of the first `tokens` prompt tokens; prefill
-    ``input_ids[:, tokens:]`` with it."""
-
-    cache: Any
-    prompt_tokens: int
-    tokens: int  # prompt tokens whose KV is in `cache`: min(blocks * block_tokens, prompt_tokens - 1)
-    blocks: int  # blocks restored
-    cached_blocks: int  # leading full blocks of the prompt the daemon held
-    tiers: tuple[Tier, ...]  # where each restored block was at lookup time (fastest copy)
-    promoted: int  # pages the daemon loaded from a slower tier for this restore
-    plan: LoadPlan  # the planner's decision (plan.load_blocks may exceed `blocks` if pages vanished meanwhile)
-    seconds: float  # lookup + plan + acquire + copy into `cache`
-    note: str = ""  # why fewer blocks than planned were restored, if so
-
-    @property
-    def suffix_tokens(self) -> int:
-        """Prompt tokens left to prefill."""
-        return self.prompt_tokens - self.tokens
-
-    def blocks_from(self, tier: Tier) -> int:
-        return sum(1 for t in self.tiers if t == tier)
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    """What `store` put in kvtier for one sequence."""
-
-    full_blocks: int  # full blocks of the sequence whose KV the cache held
-    stored_blocks: int  # pages newly committed
-    already_cached: int  # blocks that were cached already (found by lookup, or by another writer meanwhile)
-    block_tokens: int
-    seconds: float
-    note: str = ""  # why some blocks were not stored (e.g. no room in the host tier)
-
-    @property
-    def stored_tokens(self) -> int:
-        return self.stored_blocks * self.block_tokens
-
-    @property
-    def skipped_blocks(self) -> int:
-        return self.full_blocks - self.stored_blocks - self.already_cached
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """`HFPrefixCache.prefill`: the model output for the suffix, the full cache, and what kvtier did."""
-
-    output: Any  # the model's output for the suffix tokens (output.logits[:, -1] is the next token's)
-    cache: Any  # DynamicCache with the whole prompt
-    restored: RestoreResult
-    stored: StoreResult | None
-    prefill_seconds: float  # the suffix forward only
-
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.output.logits
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """`HFPrefixCache.generate`: generate()'s sequences (prompt + new tokens) and what kvtier did."""
-
-    sequences: torch.Tensor  # [1, prompt + new]
-    output: Any  # what generate() returned (a tensor, or a GenerateOutput with return_dict_in_generate)
-    cache: Any
-    restored: RestoreResult
-    stored: StoreResult | None
-    prompt_tokens: int
-    prefill_seconds: float  # the forward over the suffix before generate() (the last prompt token excluded)
-
-    @property
-    def new_tokens(self) -> list[int]:
-        return self.sequences[0, self.prompt_tokens:].tolist()
-
-
-# -- model facts ----------------------------------------------------------------
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    if get is None:
-        return config
-    try:
-        return get(decoder=True)
-    except TypeError:
-        return get()
-
-
-def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"model dtype {dtype} has no kvtier page dtype; use one of {', '.join(DTYPE_BYTES)}")
-    return name
-
-
-def _not_full_attention(what: str) -> ValueError:
-    """The one refusal for KV that is not full attention, raised when the helper is built (from
-    the config) and again at store time (from the cache's layers), so both read the same."""
-    return ValueError(
-        f"{what}: kvtier's transformers helper supports models whose every layer is full attention (a "
-        "sliding-window, chunked or linear-attention layer keeps only part of the prefix, so its pages would not "
-        "describe the prompt)"
-    )
-
-
-def _check_attention(config: Any) -> None:
-    """Refuse a config whose cache would not be all full-attention layers. `layer_types`, when
-    the config has it, is what transformers builds the cache from; without it transformers makes
-    a layer sliding when the config sets `sliding_window` (Mistral) and chunked when it sets
-    `attention_chunk_size`, so those are refused here, not first at store time."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        if other:
-            raise _not_full_attention(f"model has {', '.join(other)} layers")
-        return
-    for field in ("sliding_window", "attention_chunk_size"):
-        value = getattr(config, field, None)
-        if value is not None:
-            raise _not_full_attention(f"model config sets {field}={value}")
-
-
-def page_layout(model_or_config: Any, *, block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: Any = None) -> PageLayout:
-    """The page layout for a transformers model (or its config): num_hidden_layers,
-    num_key_value_heads (else num_attention_heads), head_dim (else hidden_size /
-    num_attention_heads) and the model's dtype (or `dtype`; a bare config without one
-    needs it). Raises ValueError for a model whose KV does not fit a page."""
-    config = getattr(model_or_config, "config", model_or_config)
-    text = _text_config(config)
-    _check_attention(text)
-    try:
-        layers = int(text.num_hidden_layers)
-        heads = int(text.num_attention_heads)
-    except (AttributeError, TypeError):
-        raise ValueError(
-            f"{type(config).__name__} has no num_hidden_layers / num_attention_heads: not a decoder config "
-            "kvtier's transformers helper understands"
-        ) from None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if not head_dim:
-        hidden = int(text.hidden_size)
-        if hidden % heads:
-            raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; set head_dim")
-        head_dim = hidden // heads
-    if dtype is None:
-        dtype = getattr(model_or_config, "dtype", None) if model_or_config is not config else None
-        dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if dtype is None:
-        raise ValueError("the config names no dtype; pass dtype= (e.g. 'float16'), or pass the model itself")
-    return PageLayout(layers=layers, kv_heads=int(kv_heads), head_dim=int(head_dim), block_tokens=block_tokens,
-                      dtype=_dtype_name(dtype))
-
-
-def _kv_config(items: dict[str, Any]) -> dict[str, Any]:
-    """A config dict's content that can change KV: without the keys in `_NOT_KV`, in nested
-    configs too (a multimodal model's `text_config` carries its own `_name_or_path`)."""
-    return {k: _kv_config(v) if isinstance(v, dict) else v for k, v in items.items() if k not in _NOT_KV}
-
-
-def model_fingerprint(model: Any, *, samples: int = 64) -> str:
-    """12 hex digits identifying a model's KV: its class, the config's content that changes KV,
-    its dtype, and `samples` evenly spaced values of every parameter (cheap even for billions
-    of weights). Different checkpoints, dtypes or random initialisations differ; where the
-    weights were loaded from does not enter it (no `name_or_path`), so replicas that mount the
-    same checkpoint at different paths agree."""
-    import torch
-
-    h = hashlib.sha256()
-    h.update(type(model).__name__.encode())
-    config = getattr(model, "config", None)
-    if config is not None:
-        h.update(json.dumps(_kv_config(config.to_dict()), sort_keys=True, default=str).encode())
-    h.update(str(getattr(model, "dtype", "")).encode())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            if param.device.type == "meta" or param.numel() == 0:
-                continue
-            flat = param.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // samples)][:samples]
-            h.update(sample.to(device="cpu", dtype=torch.float32).numpy().tobytes())
-    return h.hexdigest()[:12]
-
-
-def model_namespace(model: Any, *, model_id: str | None = None) -> str:
-    """``hf/<name>/<fingerprint>``: `model_id`, else the config's model_type (else the class
-    name), and `model_fingerprint`. Never the path the model was loaded from: two replicas that
-    mount the same weights at different paths share pages. At most 255 bytes (a long name is
-    cut from the left)."""
-    config = getattr(model, "config", None)
-    name = model_id or getattr(config, "model_type", "") or type(model).__name__
-    name = "-".join(str(name).split()).strip("/") or "model"
-    fingerprint = model_fingerprint(model)
-    room = 255 - len("hf//") - len(fingerprint)
-    encoded = name.encode()
-    if len(encoded) > room:
-        name = encoded[-room:].decode(errors="ignore")
-    return f"hf/{name}/{fingerprint}"
-
-
-def _cache_argument(model: Any) -> str:
-    """The keyword forward() takes a cache under: `cache` in newer transformers, else `past_key_values`."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _token_list(tokens: Any) -> list[int]:
     """A sequence's token ids as ints: a list, a 1-D array or tensor, or a [1, T] tensor."""
     shape = getattr(tokens, "shape", None)
@@ -331,47 +129,24 @@ def _token_list(tokens: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _numpy_view(tensor: torch.Tensor, np_dtype: Any) -> Any:
-    """A CPU tensor's memory as numpy, zero copy, as `np_dtype` (the page views' dtype: raw
-    integer bits for bfloat16 and float8, which numpy lacks). Keeps the tensor's strides."""
-    import torch
-
-    if tensor.dtype.is_floating_point and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        tensor = tensor.view({1: torch.uint8, 2: torch.int16}[tensor.element_size()])
-    return tensor.detach().numpy().view(np_dtype)
-
-
-def _fill_layer(cache: Any, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Put restored [1, heads, tokens, dim] keys/values into layer `index` of a fresh DynamicCache.
-
-    `update()` would copy them once more (it concatenates onto an empty tensor). A plain
-    DynamicLayer, which keeps exactly the concatenation of what it was given in `.keys` and
-    `.values`, adopts the tensors instead; any other layer class gets the documented update().
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    cache.update(keys[:, :, :0], values[:, :, :0], index)  # creates and initialises the layer
-    layer = cache.layers[index]
-    if type(layer) is DynamicLayer and layer.keys.shape[-2] == 0 and layer.values.shape[-2] == 0:
-        layer.keys, layer.values = keys, values
-    else:
-        cache.update(keys, values, index)
-
-
 def _salt_bytes(salt: bytes | str) -> bytes:
     return salt.encode() if isinstance(salt, str) else bytes(salt)
 
 
 # -- the helper -----------------------------------------------------------------
 class HFPrefixCache:
-    """Stores and restores one transformers causal LM's prompt KV through a kvtier client.
+    """Stores and restores one transformers causal LM's prompt KV through kvtier clients.
 
-    `client` is a `KVTierClient`; if it is not registered yet it is registered for
-    `namespace` (default `model_namespace(model, model_id=model_id)`) and the model's page
-    layout; if it is, its layout must be the model's (else ValueError). `salt` (bytes or
-    str, per tenant) goes into every block key; each call may override it. `planner`
-    decides how many cached blocks to load (default: a `Planner` on the client, fed with
-    every prefill this helper times; `LoadEverything()` loads all). Batch size 1.
+    `client` is a `KVTierClient` for the primary group's layout (`layout`); if it is not
+    registered yet it is registered for `namespace` (default `model_namespace(model,
+    model_id=model_id)`); if it is, its layout must be the primary group's (else
+    ValueError). A model with several layouts needs `connect` (a function returning a new,
+    unregistered client; see the module docstring). `salt` (bytes or str, per tenant) goes
+    into every block key; each call may override it. `planner` decides how many cached
+    blocks to load (default: a `Planner` on `client`, fed with every prefill this helper
+    times; `LoadEverything()` loads all). `state_every` (blocks): for models with recurrent
+    layers, also keep the state every that many blocks (a shared system prompt restores
+    from one), not only at the last block boundary. Batch size 1.
     """
 
     def __init__(
@@ -385,19 +160,37 @@ class HFPrefixCache:
         block_tokens: int | None = None,
         planner: PlannerLike | None = None,
         batch_blocks: int = DEFAULT_BATCH_BLOCKS,
+        connect: Callable[[], KVTierClient] | None = None,
+        state_every: int | None = None,
     ) -> None:
         if batch_blocks <= 0:
             raise ValueError(f"batch_blocks must be positive, got {batch_blocks}")
+        if state_every is not None and state_every <= 0:
+            raise ValueError(f"state_every must be a positive number of blocks, got {state_every}")
         self.client = client
         self.model = model
         self.salt = _salt_bytes(salt)
+        self.batch_blocks = batch_blocks
+        self.state_every = state_every
+        self._cache_arg = cache_argument(model)
+        self._positions = "position_ids" in forward_parameters(model)
         try:
             registered = client.pool
         except FailedPrecondition:
             registered = None
         if block_tokens is None:
             block_tokens = registered.layout.block_tokens if registered else DEFAULT_BLOCK_TOKENS
-        self.layout = page_layout(model, block_tokens=block_tokens)
+        recurrent = any(kind is GroupKind.STATE for _, kind, _ in layer_kinds(model.config))
+        self._states = probe_states(model, self._cache_arg) if recurrent else None
+        self.groups: tuple[CacheGroup, ...] = cache_groups(model, block_tokens=block_tokens, states=self._states)
+        self.layout: PageLayout = self.groups[0].layout
+        others = sorted({g.layout for g in self.groups} - {self.layout}, key=str)
+        if others and connect is None:
+            raise ValueError(
+                f"this model keeps {len(self.groups)} cache groups ({', '.join(g.name for g in self.groups)}) in "
+                f"{len(others) + 1} page layouts, and a kvtier client holds one: pass connect= (a function returning a "
+                "new KVTierClient, e.g. lambda: KVTierClient(target)) so the helper can open one per further layout"
+            )
         if registered is None:
             self.namespace = namespace or model_namespace(model, model_id=model_id)
             client.register(self.namespace, self.layout)
@@ -410,25 +203,63 @@ class HFPrefixCache:
             if namespace is not None and namespace != registered.namespace:
                 raise ValueError(f"the client is registered for namespace {registered.namespace!r}, not {namespace!r}")
             self.namespace = registered.namespace
+        self._clients: dict[PageLayout, KVTierClient] = {self.layout: client}
+        self._opened: list[KVTierClient] = []
+        try:
+            for layout in others:
+                extra = connect()  # type: ignore[misc]  (checked above)
+                self._opened.append(extra)
+                extra.register(self.namespace, layout)
+                self._clients[layout] = extra
+        except BaseException:
+            self.close()
+            raise
         self.planner: PlannerLike = planner if planner is not None else Planner(client)
-        self.batch_blocks = batch_blocks
-        self._cache_arg = _cache_argument(model)
 
     def __repr__(self) -> str:
-        return f"HFPrefixCache({type(self.model).__name__}, namespace={self.namespace!r}, layout={self.layout})"
+        groups = ", ".join(f"{g.name}: {g.layout}" for g in self.groups)
+        return f"HFPrefixCache({type(self.model).__name__}, namespace={self.namespace!r}, {groups})"
+
+    def close(self) -> None:
+        """Close the clients this helper opened with `connect` (not the one it was given)."""
+        while self._opened:
+            self._opened.pop().close()
+
+    def __enter__(self) -> HFPrefixCache:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- helpers ------------------------------------------------------------------
     @property
     def block_tokens(self) -> int:
         return self.layout.block_tokens
 
-    def _batch(self) -> int:
+    def client_for(self, group: CacheGroup) -> KVTierClient:
+        """The client registered for `group`'s layout."""
+        return self._clients[group.layout]
+
+    @property
+    def _state_group(self) -> CacheGroup | None:
+        return next((g for g in self.groups if g.kind is GroupKind.STATE), None)
+
+    def _batch(self, client: KVTierClient) -> int:
         """Pages per borrow / acquire: at most half the host tier, so one batch always fits."""
-        host = self.client.pool.capacity(Tier.HOST)
+        host = client.pool.capacity(Tier.HOST)
         return max(1, min(self.batch_blocks, host // 2 if host > 1 else 1))
 
-    def _keys(self, tokens: list[int], salt: bytes | str | None) -> list[BlockKey]:
-        return self.client.block_keys(tokens, salt=self.salt if salt is None else _salt_bytes(salt))
+    def _keys(self, tokens: list[int], salt: bytes | str | None) -> dict[str, list[BlockKey]]:
+        """Each group's keys of every full block of `tokens`."""
+        salt_bytes = self.salt if salt is None else _salt_bytes(salt)
+        return {g.name: g.keys(self.client_for(g).block_keys, tokens, salt_bytes) for g in self.groups}
+
+    def _run(self, ids: torch.Tensor, start: int, end: int, cache: Any, taken: dict[int, np.ndarray] | None,
+             **forward_kwargs) -> Any:
+        """The model over ids[:, start:end], taking recurrent states on the way (hf_states)."""
+        return run_in_pieces(self.model, ids, start, end, cache=cache, cache_arg=self._cache_arg,
+                             positions=self._positions, group=self._state_group, taken=taken, every=self.state_every,
+                             **forward_kwargs)
 
     def _device(self) -> torch.device:
         import torch
@@ -440,52 +271,14 @@ class HFPrefixCache:
         """``{name: cache}`` for forward() / generate() of this model (`cache` or `past_key_values`)."""
         return {self._cache_arg: cache}
 
-    def _torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.layout.dtype)
-
     def _check_model(self) -> None:
-        """The model still has the layout this helper registered (e.g. not cast to another dtype since)."""
-        now = page_layout(self.model, block_tokens=self.block_tokens)
-        if now != self.layout:
-            raise ValueError(f"model config mismatch: the model now needs {now}, but this helper uses {self.layout}")
-
-    def _check_cache(self, cache: Any, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(keys, values) per layer, each [1, kv_heads, >= tokens, head_dim], or ValueError."""
-        layers = getattr(cache, "layers", None)
-        if layers is None:
-            raise ValueError(f"expected a transformers DynamicCache with .layers, got {type(cache).__name__}")
-        lay = self.layout
-        if len(layers) != lay.layers:
+        """The model still has the layouts this helper registered (e.g. not cast to another dtype since)."""
+        now = cache_groups(self.model, block_tokens=self.block_tokens, states=self._states)
+        if [g.layout for g in now] != [g.layout for g in self.groups]:
             raise ValueError(
-                f"model config mismatch: the cache has {len(layers)} layers but the layout has {lay.layers}"
+                f"model config mismatch: the model now needs {[str(g.layout) for g in now]}, but this helper uses "
+                f"{[str(g.layout) for g in self.groups]}"
             )
-        out = []
-        dtype = self._torch_dtype()
-        for i, layer in enumerate(layers):
-            if getattr(layer, "is_sliding", False):
-                raise _not_full_attention(f"cache layer {i} is a sliding-window layer")
-            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if k is None or v is None or k.dim() != 4:
-                raise ValueError(f"cache layer {i} holds no [batch, kv_heads, seq, head_dim] keys/values")
-            want = (1, lay.kv_heads, lay.head_dim)
-            for name, t in (("keys", k), ("values", v)):
-                got = (t.shape[0], t.shape[1], t.shape[3])
-                if got != want:
-                    raise ValueError(
-                        f"model config mismatch: cache layer {i} {name} have shape {tuple(t.shape)} "
-                        f"([batch, kv_heads, seq, head_dim]) but the layout needs batch 1, {lay.kv_heads} kv heads, "
-                        f"head_dim {lay.head_dim}"
-                    )
-                if t.dtype != dtype:
-                    raise ValueError(
-                        f"model config mismatch: cache layer {i} {name} are {t.dtype}, the layout {lay.dtype}"
-                    )
-                if t.shape[2] < tokens:
-                    raise ValueError(f"cache layer {i} holds {t.shape[2]} tokens, fewer than the {tokens} expected")
-            out.append((k, v))
-        return out
 
     # -- restore --------------------------------------------------------------------
     def restore(
@@ -494,12 +287,14 @@ class HFPrefixCache:
         """The longest cached prefix of `input_ids` worth loading, in a fresh DynamicCache.
 
         At least one prompt token is left to prefill (its logits are the next token's): when
-        the prompt is whole blocks and all are restored, the last token's KV is left out.
-        A prefix that vanished between lookup and acquire, or does not fit the host tier, is
-        recomputed instead (the result's `note` says so); bad input raises ValueError.
+        the prompt is whole blocks and all are restored, the last token's KV is left out (a
+        model with recurrent layers restores one block less: its state exists at block
+        boundaries only). A prefix that vanished between lookup and acquire, or does not
+        fit the host tier, is recomputed instead (the result's `note` says so); bad input
+        raises ValueError. The cache's window layers keep every token they are given until
+        the next `store` (prefill and generate then trim them to their window).
         """
         import torch
-        from transformers import DynamicCache
 
         start = time.perf_counter()
         self._check_model()
@@ -511,84 +306,61 @@ class HFPrefixCache:
         if max_blocks is not None:
             usable = min(usable, max(0, max_blocks))
         keys = self._keys(tokens[: usable * B], salt)
-        lookup = self.client.lookup(keys) if keys else LookupResult(0, ())
-        plan = self.planner.plan(lookup)
-        n = min(plan.load_blocks, lookup.hit_blocks)
-        note = ""
-        kv = None
-        promoted = 0
-        tiers: tuple[Tier, ...] = tuple(lookup.tiers[:n])
+        search = PrefixSearch(self.groups, keys, {g.name: self.client_for(g).lookup for g in self.groups}, len(tokens))
+        cached, needs = search.point(usable)
+        plan = self.planner.plan(search.plan_input(cached, needs))
+        n = min(plan.load_blocks, cached)
+        if n < cached:
+            n, needs = search.point(n)
+        cache = new_cache(self.model.config)
+        note, promoted = "", 0
         if n:
             try:
-                kv, promoted = self._read(keys[:n], min(n * B, len(tokens) - 1))
+                with torch.no_grad():
+                    promoted = self._fill(cache, needs, keys, restored_tokens(n, len(tokens), B))
             except (NotFound, CapacityError) as exc:
                 # Evicted meanwhile, or no room to pin them: the cache is an optimisation, recompute.
                 note = f"planned {n} blocks but could not load them ({type(exc).__name__}: {exc}); recomputing"
                 log.warning("kvtier restore: %s", note)
-                n, tiers, kv = 0, (), None
-        restored = min(n * B, len(tokens) - 1)
-        cache = DynamicCache()
-        if kv is not None:
-            device = self._device()
-            with torch.no_grad():
-                for i in range(self.layout.layers):
-                    k, v = kv[i, 0].unsqueeze(0).to(device), kv[i, 1].unsqueeze(0).to(device)  # [1, heads, tokens, dim]
-                    _fill_layer(cache, i, k, v)
+                n, needs, cache = 0, (), new_cache(self.model.config)
         return RestoreResult(
-            cache=cache, prompt_tokens=len(tokens), tokens=restored, blocks=n, cached_blocks=lookup.hit_blocks,
-            tiers=tiers, promoted=promoted, plan=plan, seconds=time.perf_counter() - start, note=note,
+            cache=cache, prompt_tokens=len(tokens), tokens=restored_tokens(n, len(tokens), B), blocks=n,
+            cached_blocks=cached, tiers=tuple(t for need in needs for t in need.tiers), promoted=promoted, plan=plan,
+            seconds=time.perf_counter() - start, note=note,
+            groups=tuple(GroupPages(need.group.name, need.end - need.first, tiers=need.tiers) for need in needs),
         )
 
-    def _read(self, keys: Sequence[BlockKey], tokens: int) -> tuple[torch.Tensor, int]:
-        """Acquire `keys`' pages (in batches, the next one prefetched) and copy their first
-        `tokens` tokens into one CPU tensor [layers, 2 (K, V), kv_heads, tokens, head_dim];
-        returns it and the pages promoted.
-
-        The copy is numpy's, one per page, single-threaded: on a busy CPU every small torch
-        copy would wake torch's intra-op threads and cost more than its bytes.
-        """
-        import numpy as np
-        import torch
-
-        from kvtier_client.views import RAW_IN_NUMPY, numpy_dtype
-
-        lay = self.layout
-        B = lay.block_tokens
-        out = np.empty((lay.layers, 2, lay.kv_heads, tokens, lay.head_dim), dtype=numpy_dtype(lay.dtype))
-        batch = self._batch()
-        promoted = 0
-        for start in range(0, len(keys), batch):
-            chunk = keys[start : start + batch]
-            following = keys[start + batch : start + 2 * batch]
-            if following:
-                self.client.prefetch(following)  # a hint: disk pages of the next batch start loading now
-            with self.client.acquire(chunk, wait=Wait.ALL) as lease:
-                if lease.ready != len(chunk):
-                    raise NotFound(f"only {lease.ready} of {len(chunk)} pages were ready")
-                promoted += lease.promoted
-                for j, page in enumerate(lease.pages):  # page [layers, 2, B, heads, dim]
-                    t0 = (start + j) * B
-                    t1 = min(t0 + B, tokens)
-                    np.copyto(out[:, :, :, t0:t1], page[:, :, : t1 - t0].transpose(0, 1, 3, 2, 4))
-        tensor = torch.from_numpy(out)
-        if lay.dtype in RAW_IN_NUMPY:  # numpy held the raw bits; torch has the real dtype
-            tensor = tensor.view(self._torch_dtype())
-        return tensor, promoted
+    def _fill(self, cache: Any, needs: Sequence[Need], keys: dict[str, list[BlockKey]], tokens: int) -> int:
+        """Read what each group needs into `cache` (restoring `tokens` tokens); the pages promoted."""
+        device, promoted = self._device(), 0
+        for need in needs:
+            group, client = need.group, self.client_for(need.group)
+            group_keys = keys[group.name][need.first : need.end]
+            if not group_keys:
+                continue
+            if group.kind is GroupKind.STATE:
+                page, loaded = pages.read_state(client, group_keys[0])
+                pages.fill_state(cache, group, page, device)
+            else:
+                first_token = need.first * self.block_tokens
+                kv, loaded = pages.read_kv(client, group_keys, group.layout, tokens - first_token, self._batch(client))
+                pages.fill_kv(cache, group, kv, tokens, device)
+            promoted += loaded
+        return promoted
 
     # -- store ----------------------------------------------------------------------
-    def store(self, token_ids: Any, cache: Any, *, salt: bytes | str | None = None) -> StoreResult:
-        """Put the KV of every full block of `token_ids` that `cache` holds into kvtier.
+    def store(self, token_ids: Any, cache: Any, *, salt: bytes | str | None = None,
+              states: dict[int, np.ndarray] | None = None) -> StoreResult:
+        """Put every full block of `token_ids` that `cache` holds into kvtier.
 
         `token_ids` are the tokens whose KV is at the start of `cache` (the prompt, or the
         prompt plus generated tokens: blocks beyond the cache's length are left out).
-        Blocks already cached are skipped; new ones are committed with their parent key.
-        When the host tier has no room, what did not fit is skipped (`note` says so).
+        Blocks already cached are skipped; new ones are committed with their parent key. A
+        window layer gives the blocks it still holds. A recurrent group gives its state
+        when the cache ends on a block boundary, and `states` (block count -> state page,
+        taken on the way by prefill / generate). When a tier has no room, what did not fit
+        is skipped (`note` says so).
         """
-        import numpy as np
-        import torch
-
-        from kvtier_client.views import numpy_dtype
-
         start = time.perf_counter()
         tokens = _token_list(token_ids)
         get_len = getattr(cache, "get_seq_length", None)
@@ -599,39 +371,32 @@ class HFPrefixCache:
         full = min(len(tokens), held) // B
         if full == 0:
             return StoreResult(0, 0, 0, B, time.perf_counter() - start)
-        layers = self._check_cache(cache, full * B)
         keys = self._keys(tokens[: full * B], salt)
-        hit = self.client.lookup(keys).hit_blocks
-        stored, duplicates, note = 0, 0, ""
-        batch = self._batch()
-        lay = self.layout
-        np_dtype = numpy_dtype(lay.dtype)
-        with torch.no_grad():
-            for first in range(hit, full, batch):
-                n = min(batch, full - first)
-                try:
-                    lease = self.client.borrow(n)
-                except CapacityError as exc:
-                    note = f"stored {stored} of {full - hit} new blocks: the host tier has no room ({exc})"
-                    log.warning("kvtier store: %s", note)
-                    break
-                with lease:
-                    # Per layer and K/V, one numpy copy of the [heads, n*B, dim] slice into the
-                    # pages' order [n, B, heads, dim] (single-threaded, see _read).
-                    t0, t1 = first * B, (first + n) * B
-                    stage = np.empty((n, lay.layers, 2, B, lay.kv_heads, lay.head_dim), dtype=np_dtype)
-                    for i, (k, v) in enumerate(layers):
-                        for j, src in ((0, k), (1, v)):
-                            part = _numpy_view(src[0, :, t0:t1, :].to("cpu"), np_dtype)  # [heads, n*B, dim]
-                            part = part.reshape(lay.kv_heads, n, B, lay.head_dim).transpose(1, 2, 0, 3)
-                            np.copyto(stage[:, i, j], part)
-                    for j, block in enumerate(stage):  # copied and hashed in one pass: commit sends the sums
-                        lease.write(j, block)
-                    result = lease.commit(keys[first : first + n], parent=keys[first - 1] if first else None,
-                                          token_ids=tokens[t0:t1])  # for the daemon's KV events
-                stored += result.committed
-                duplicates += len(result.duplicates)
-        return StoreResult(full, stored, hit + duplicates, B, time.perf_counter() - start, note)
+        done, notes = [], []
+        for group in self.groups:
+            client = self.client_for(group)
+            if group.kind is GroupKind.STATE:
+                taken = {blocks: page for blocks, page in (states or {}).items() if blocks <= full}
+                if held % B == 0 and held // B <= full:
+                    taken[held // B] = pages.encode_state(cache, group)
+                stored, cached, note = pages.write_states(client, keys[group.name], taken)
+            else:
+                kv, offset, seen = pages.held_kv(cache, group)
+                first, end = -(-offset // B), min(full, seen // B)  # the blocks the layers still hold
+                group_keys = keys[group.name]
+                cached = client.lookup(group_keys[:end]).hit_blocks
+                if cached < first < end:  # a window layer no longer holds [cached, first): skipped
+                    cached += client.lookup(group_keys[first:end]).hit_blocks
+                begin = max(first, min(cached, end)) if cached < first else cached
+                stored, dup, note = pages.write_kv(client, group_keys, tokens, kv, offset, begin, max(begin, end),
+                                                   self._batch(client), token_ids=group is self.groups[0])
+                cached += dup
+            if note:
+                notes.append(f"{group.name}: {note}")
+                log.warning("kvtier store: %s", notes[-1])
+            done.append(GroupPages(group.name, stored, cached))
+        return StoreResult(full, done[0].pages, done[0].already_cached, B, time.perf_counter() - start,
+                           "; ".join(notes), groups=tuple(done))
 
     # -- one call -------------------------------------------------------------------
     def prefill(
@@ -643,14 +408,15 @@ class HFPrefixCache:
 
         ids = self._ids_tensor(input_ids)
         restored = self.restore(ids, salt=salt)
-        suffix = ids[:, restored.tokens :]
         forward_kwargs.setdefault("use_cache", True)
+        taken: dict[int, np.ndarray] | None = {} if store else None
         with torch.no_grad():
             t0 = time.perf_counter()
-            output = self.model(input_ids=suffix, **self.cache_kwargs(restored.cache), **forward_kwargs)
+            output = self._run(ids, restored.tokens, ids.shape[1], restored.cache, taken, **forward_kwargs)
             seconds = time.perf_counter() - t0
-        self.planner.observe_prefill(suffix.shape[1], seconds)
-        stored = self.store(ids, restored.cache, salt=salt) if store else None
+        self.planner.observe_prefill(ids.shape[1] - restored.tokens, seconds)
+        stored = self.store(ids, restored.cache, salt=salt, states=taken) if store else None
+        pages.settle(restored.cache)
         return PrefillResult(output, restored.cache, restored, stored, seconds)
 
     def generate(
@@ -660,24 +426,30 @@ class HFPrefixCache:
         model.generate() (which then feeds only that last token) -> store prompt and reply.
         `generate_kwargs` go to generate() (max_new_tokens, do_sample, ...)."""
         import torch
+        from transformers import LogitsProcessorList
 
         ids = self._ids_tensor(input_ids)
         if self._cache_arg in generate_kwargs or "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
             raise ValueError("do not pass a cache: HFPrefixCache.generate builds it from kvtier")
         restored = self.restore(ids, salt=salt)
-        cache = restored.cache
-        head = ids[:, restored.tokens : -1]
+        cache, head = restored.cache, ids.shape[1] - 1
+        taken: dict[int, np.ndarray] | None = {} if store else None
         seconds = 0.0
-        if head.shape[1]:
+        if head > restored.tokens:
             with torch.no_grad():
                 t0 = time.perf_counter()
-                self.model(input_ids=head, use_cache=True, logits_to_keep=1, **self.cache_kwargs(cache))
+                self._run(ids, restored.tokens, head, cache, taken, use_cache=True, logits_to_keep=1)
                 seconds = time.perf_counter() - t0
-            self.planner.observe_prefill(head.shape[1], seconds)
+            self.planner.observe_prefill(head - restored.tokens, seconds)
         generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
+        if taken is not None and (group := self._state_group) is not None:
+            hook = StateHook(cache, group, taken, self.state_every, after=head)
+            theirs = generate_kwargs.get("logits_processor") or ()
+            generate_kwargs["logits_processor"] = LogitsProcessorList([*theirs, hook])
         output = self.model.generate(ids, **self.cache_kwargs(cache), **generate_kwargs)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        stored = self.store(sequences, cache, salt=salt) if store else None
+        stored = self.store(sequences, cache, salt=salt, states=taken) if store else None
+        pages.settle(cache)
         return GenerateResult(sequences, output, cache, restored, stored, ids.shape[1], seconds)
 
     def _ids_tensor(self, input_ids: Any) -> torch.Tensor:
