@@ -53,14 +53,13 @@ def test_each_block_is_stored_once_and_reported_as_the_daemon_took_it(checks):
     assert third["loads"] == [["r6", [20, 21, 22, 23, 24]]] and third["copy_bytes"] > 0
     assert d["loaded_pages_equal_stored_blocks"]
     assert {k: v for k, v in d["stored_blocks"].items() if k != "r7"} == {
-        "r1": 5, "r2": 1, "r3": 3, "r4": 0, "r5": 0, "r6": 0}
+        "r1": 5, "r2": 1, "r3": 3, "r4": 0, "r5": 0, "r6": 0, "r6b": 0}
     assert d["loaded_tokens"]["r6"] == 5 * 32
     assert d["daemon_cached_pages"] == 5 + 1 + 3 + 2  # r5's 2 are the other engine's
     stats = d["stats"]
     assert (stats["store_blocks"], stats["store_duplicate_blocks"], stats["store_failed_blocks"]) == (9, 2, 0)
     assert stats["skipped_store_blocks"] == 4 + 3  # r2's served blocks, r4's blocks r3 stores
-    assert (stats["hit_blocks"], stats["load_blocks"], stats["load_failed_blocks"]) == (5, 5, 0)
-    assert stats["load_bytes"] == third["copy_bytes"]
+    assert (stats["hit_blocks"], stats["load_blocks"], stats["load_failed_blocks"]) == (10, 10, 0)  # r6, r6b
 
 
 def test_kv_events_name_the_blocks_kvtier_took_with_vllms_hashes(checks):
@@ -71,11 +70,18 @@ def test_kv_events_name_the_blocks_kvtier_took_with_vllms_hashes(checks):
         assert e["hashes_match"] and e["tokens_match"] and e["parent_match"], e
 
 
-def test_reset_cache_forgets_what_is_being_stored_and_says_kvtier_was_not_reset(checks):
+def test_reset_cache_starts_a_new_key_epoch(checks):
+    """vLLM resets after a weight update (and before sleep): the engine must never read pages
+    stored before, which may hold other weights' KV; pages stay for other engines."""
     reset = checks["dedupe"]["reset"]
     assert reset["saves_sent"] == 1 and reset["storing_before"]
-    assert reset["answer"] is False  # kvtier keeps the namespace's pages
+    assert reset["answer"] is True  # so vLLM's pause and sleep go on
     assert (reset["storing_after"], reset["sent_after"]) == (0, 1)
+    assert reset["hit_after"] == 0  # r1's prompt, cached before the reset, is not a hit after it
+
+
+def test_the_worker_drops_and_restores_its_kv_around_sleep(checks):
+    assert checks["dedupe"]["sleep_and_wake"]
 
 
 def test_batched_copies_give_the_same_blocks_and_are_timed(checks):
@@ -134,3 +140,11 @@ def test_a_hybrid_hit_is_never_reported_unless_every_group_can_restore_it(checks
     # The window group holds blocks 0-2 only: the longest prefix both can restore is 3 blocks.
     assert part["again"]["loaded_tokens"] == 3 * 32
     assert part["again"]["loads"] == {"0": [13, 14, 15], "1": [20, 21]}
+
+
+def test_keys_carry_the_checkpoint(checks):
+    """Another checkpoint (same architecture, size and config) or dtype never shares keys; the
+    same checkpoint mounted at another path does."""
+    fp = checks["keys"]["weights"]
+    assert fp["a"] == fp["b"]
+    assert len({fp["a"], fp["c"], fp["a_bf16"], fp["hub"]}) == 4

@@ -143,6 +143,20 @@ def dedupe(target: str) -> dict:
     third_step = step([(r6, loaded_blocks)])
     same = all(torch.equal(kv[n][src], kv[n][dst]) for n in LAYER_NAMES for src, dst in zip(range(5), loaded_blocks))
 
+    # vLLM 0.33's sleep: the worker drops its views (twice: discard, then sleep) and takes them
+    # back on wake-up (twice too); then a load works as before.
+    worker.unregister_kv_caches()
+    worker.unregister_kv_caches()
+    slept = not worker._registered
+    worker.restore_kv_caches()
+    worker.restore_kv_caches()
+    r6b = new_request("r6b", list(r1.prompt_token_ids))
+    schedule(r6b, 0)
+    woken_blocks = [40, 41, 42, 43, 44, 45]
+    woken_step = step([(r6b, woken_blocks)])
+    woken = slept and woken_step["loads"] == [["r6b", woken_blocks[:5]]] and all(
+        torch.equal(kv[n][src], kv[n][dst]) for n in LAYER_NAMES for src, dst in zip(range(5), woken_blocks))
+
     # vLLM's reset_prefix_cache(reset_connector=True): which keys are being stored is forgotten, kvtier's
     # pages stay ("not reset"), and a save in flight still ends as its workers report it.
     r7 = new_request("r7", tokens(2 * BLOCK))
@@ -155,10 +169,13 @@ def dedupe(target: str) -> dict:
         finished_req_ids=set(), free_encoder_mm_hashes=[]))
     storing_before = all(k in scheduler.saves.storing for k in r7_keys)
     reset = scheduler.reset_cache()
+    r8 = new_request("r8", list(r1.prompt_token_ids))  # r1's prompt, after the reset: a new key epoch
+    schedule(r8, 0)
     reset_state = {"answer": reset, "storing_before": storing_before, "storing_after": len(scheduler.saves.storing),
-                   "sent_after": len(scheduler.saves.sent), "saves_sent": len(meta.saves)}
+                   "sent_after": len(scheduler.saves.sent), "saves_sent": len(meta.saves),
+                   "hit_after": finish(r8)["loaded_tokens"]}
 
-    requests = (r1, r2, r3, r4, r5, r6, r7)
+    requests = (r1, r2, r3, r4, r5, r6, r6b, r7)
     reports = {r.request_id: finish(r) for r in requests}
     stats = worker_stats.aggregate(scheduler.get_kv_connector_stats() or KVTierConnectorStats())
     with KVTierClient(target) as probe:
@@ -191,6 +208,7 @@ def dedupe(target: str) -> dict:
         "stats": stats.data,
         "events": [described(e) for e in events],
         "loaded_pages_equal_stored_blocks": same,
+        "sleep_and_wake": woken,
         "reset": reset_state,
     }
 
@@ -293,9 +311,9 @@ def main() -> None:
 
         out["groups"] = groups(args.target)
     if "keys" in args.checks:
-        from vllm_key_checks import keys
+        from vllm_key_checks import keys, weights
 
-        out["keys"] = keys()
+        out["keys"] = {**keys(), "weights": weights()}
     if "copies" in args.checks:
         out["copies"] = copies(args.pages, args.layers, args.heads, args.head_dim, args.block, args.dtype, args.repeat)
     print(json.dumps(out))

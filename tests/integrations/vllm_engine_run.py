@@ -3,7 +3,8 @@
     vllm_engine_run.py build MODEL_DIR
         save a tiny random Llama (float32, 2 layers, 2 KV heads of 64) and an offline
         word-level tokenizer ("w0" .. "w508", one token per word) into MODEL_DIR
-    vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model]
+    vllm_engine_run.py run --model DIR --prompts PROMPTS.json --out OUT.json [--build-model [--arch A]]
+                           [--block-size N] [--dtype D]
                            [--kvtier TARGET --namespace NS] [--no-prefix-caching] [--in-process]
                            [--max-tokens N] [--max-num-batched-tokens N] [--long-prefill-token-threshold N]
                            [--batch-prompts PROMPTS.json] [--kv-events ENDPOINT] [--stats] [--tp N] [--kv-extra JSON]
@@ -120,7 +121,9 @@ def _result(out) -> dict:
 
 def run(args: argparse.Namespace) -> None:
     if args.build_model:
-        build(args.model)
+        from vllm_models import build as build_arch
+
+        build_arch(args.arch, args.model)
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
                                                      endpoint=args.kv_events)
     started = time.monotonic()
     llm = LLM(
-        model=args.model, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1024, enforce_eager=True,
+        model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=1024, enforce_eager=True,
         enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv_config, seed=0,
         max_num_seqs=4, disable_log_stats=not args.stats, **options,
     )
@@ -190,6 +193,9 @@ def main() -> None:
     r.add_argument("--kvtier", help="kvtier daemon target; without it the engine runs without a connector")
     r.add_argument("--namespace", default="e2e/tiny-llama")
     r.add_argument("--build-model", action="store_true")
+    r.add_argument("--arch", default="llama", help="the tiny model --build-model writes (vllm_models.py ARCHS)")
+    r.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="vLLM block size (CPU MLA needs 16)")
+    r.add_argument("--dtype", default="float32", help="model dtype (CPU MLA needs bfloat16)")
     r.add_argument("--in-process", action="store_true")
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--max-tokens", type=int, default=12)

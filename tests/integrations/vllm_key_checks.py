@@ -44,3 +44,37 @@ def keys() -> dict:
         "vllm_equal": {f"{x}{y}": [a == b for a, b in zip(theirs[x], theirs[y])] for x, y in pairs},
         "text_only_extras": block_extras(requests["C"], BLOCK),
     }
+
+
+def weights() -> dict:
+    """The checkpoint fingerprint every key carries (weights.py), on real files: a checkpoint
+    and its copy at another path agree; another checkpoint of the same architecture and
+    size, another dtype, or a hub id not on disk differ."""
+    import os
+    import shutil
+    import tempfile
+    from types import SimpleNamespace
+
+    from kvtier_client.integrations.vllm.weights import checkpoint_fingerprint
+
+    def engine(path: str, dtype: str = "float32") -> SimpleNamespace:  # the fields vLLM's config has
+        return SimpleNamespace(model_config=SimpleNamespace(model=path, dtype=dtype, quantization=None, revision=None))
+
+    root = tempfile.mkdtemp(prefix="kvtier-weights-")
+    try:
+        a, b, c = (os.path.join(root, n) for n in ("a", "mounted-elsewhere", "fine-tune"))
+        os.makedirs(a)
+        with open(os.path.join(a, "config.json"), "w") as f:
+            f.write('{"model_type": "llama", "num_hidden_layers": 2}')
+        with open(os.path.join(a, "model.safetensors"), "wb") as f:
+            f.write(os.urandom(3 << 20))
+        shutil.copytree(a, b)
+        shutil.copytree(a, c)
+        with open(os.path.join(c, "model.safetensors"), "wb") as f:  # same size and config, other weights
+            f.write(os.urandom(3 << 20))
+        fp = {name: checkpoint_fingerprint(engine(path)).hex() for name, path in (("a", a), ("b", b), ("c", c))}
+        fp["a_bf16"] = checkpoint_fingerprint(engine(a, "bfloat16")).hex()
+        fp["hub"] = checkpoint_fingerprint(engine("org/not-downloaded")).hex()
+        return fp
+    finally:
+        shutil.rmtree(root)

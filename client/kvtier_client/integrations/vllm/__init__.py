@@ -116,6 +116,7 @@ from kvtier_client.integrations.vllm.kv_groups import KVGroup, kv_groups
 from kvtier_client.integrations.vllm.kv_views import GroupViews
 from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
+from kvtier_client.integrations.vllm.weights import checkpoint_fingerprint
 from kvtier_client.integrations.vllm.worker import KVTierWorker
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             self._scheduler = KVTierScheduler(
                 links, self.groups, self.config, block_size, do_load=transfer.is_kv_consumer,
-                do_save=transfer.is_kv_producer,
+                do_save=transfer.is_kv_producer, weights=checkpoint_fingerprint(vllm_config),
                 workers=shape.workers, events=bool(events and events.enable_kv_cache_events),
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
             )
@@ -245,6 +246,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side (kvtier_client.integrations.vllm.worker) ---------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    # vLLM 0.33's sleep mode: the KV tensors go away during sleep and come back, empty, at
+    # the same addresses on wake-up; kvtier's pages are not touched (0.32 never calls these).
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 CONFIG_KEYS = (
     "target", "namespace", "salt", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
     "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format", "async_loads", "max_load_tokens",
+    "on_reset",
 )
 #: How a layer's KV tensor holds K and V (kvtier_client.integrations.vllm.worker).
 KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
@@ -29,6 +30,11 @@ KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
 #: model has several KV cache groups, whose load failures vLLM takes only per request),
 #: "always", or "never" (loads run before the step's forward pass).
 ASYNC_LOADS = ("auto", "always", "never")
+#: What vLLM's cache reset (after a weight update, on pause with clear_cache, before sleep)
+#: does to the keys this engine reads: "new_epoch" (pages stored before are not read again:
+#: they may hold KV of other weights) or "keep" (for engines that sleep and reset without
+#: ever changing weights in memory: their pages stay hits across sleep).
+ON_RESET = ("new_epoch", "keep")
 
 
 def _default_target() -> str:
@@ -71,6 +77,7 @@ class ConnectorConfig:
     kv_cache_format: str = "auto"
     async_loads: str = "auto"
     max_load_tokens: int | None = None  # at most this many tokens loaded per request (None: no limit)
+    on_reset: str = "new_epoch"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
@@ -123,11 +130,14 @@ class ConnectorConfig:
         max_load = extra.get("max_load_tokens")
         if max_load is not None and (isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0):
             raise ValueError(f"kvtier connector: max_load_tokens must be a whole number of tokens >= 0, got {max_load!r}")
+        on_reset = _as_str(extra, "on_reset", "new_epoch")
+        if on_reset not in ON_RESET:
+            raise ValueError(f"kvtier connector: on_reset must be one of {ON_RESET}, got {on_reset!r}")
         return cls(
             target=target, namespace=namespace, salt=salt.encode(), token=token, tls=tls,
             insecure=_as_bool(extra, "insecure", False), use_planner=_as_bool(extra, "planner", True),
             prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
-            async_loads=async_loads, max_load_tokens=max_load,
+            async_loads=async_loads, max_load_tokens=max_load, on_reset=on_reset,
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:

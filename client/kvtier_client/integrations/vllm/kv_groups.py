@@ -82,12 +82,12 @@ def _need(spec: KVCacheSpec, block_size: int) -> tuple[GroupMode, int]:
         SlidingWindowSpec,
     )
 
-    if spec.block_size != block_size:
-        raise ValueError(f"kvtier connector: KV group block size {spec.block_size} differs from the cache block "
-                         f"size {block_size}")
     if isinstance(spec, MambaSpec):
         raise ValueError("kvtier connector: Mamba / linear-attention layers are not supported yet: vLLM keeps their "
                          "state per block only with prefix caching's 'align' mode, which the connector does not read")
+    if spec.block_size != block_size:
+        raise ValueError(f"kvtier connector: KV group block size {spec.block_size} differs from the cache block "
+                         f"size {block_size}")
     if isinstance(spec, SlidingWindowSpec):
         return GroupMode.WINDOW, -(-spec.sliding_window // block_size)
     if isinstance(spec, ChunkedLocalAttentionSpec):

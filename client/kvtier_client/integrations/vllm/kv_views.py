@@ -8,7 +8,8 @@ shaped like that layer of this worker's part of a page, so a copy between them i
 vLLM 0.32's per-layer tensor is [num_blocks, heads, block_size, 2 * head_dim] (head-major):
 CPU_ATTN keeps, per block and head, block_size rows of K then block_size rows of V; the GPU
 backends (FlashAttention, Triton, FlexAttention) keep K and V side by side in the last
-dimension. MLA's is [num_blocks, block_size, latent_dim].
+dimension. MLA's is [num_blocks, block_size, latent_dim] (or [num_blocks, 1, block_size,
+latent_dim]).
 
 On a GPU the copies are not done through these views but by kvtier_client.kernels_vllm, one
 kernel launch per direction for every layer and page (`cuda`: the group's KV is on a GPU;
@@ -55,7 +56,8 @@ class GroupViews:
         if missing:
             raise ValueError(f"kvtier connector: no KV cache tensor for layers {missing}")
         self.kv_format = "mla" if self.layout.order == "latent" else kv_format
-        self.raw = [kv_caches[name] for name in self.group.layer_names]
+        self.raw = [_latent(kv_caches[name]) if self.kv_format == "mla" else kv_caches[name]
+                    for name in self.group.layer_names]
         self.views = [page_view(name, kv, self.layout, self.part.heads, self.kv_format)
                       for name, kv in zip(self.group.layer_names, self.raw)]
         if self.cuda:
@@ -69,6 +71,12 @@ class GroupViews:
         """This worker's part of a page, per local layer: its heads of that page layer."""
         heads = slice(self.part.head_start, self.part.head_start + self.part.heads)
         return tuple(page[layer][..., heads, :] for layer in self.part.page_layers)
+
+
+def _latent(kv: torch.Tensor) -> torch.Tensor:
+    """An MLA layer's KV as [num_blocks, block_size, latent_dim]: some backends (vLLM 0.32's
+    CPU AMX_MLA) keep a heads dimension of 1, [num_blocks, 1, block_size, latent_dim]."""
+    return kv.select(1, 0) if kv.dim() == 4 and kv.shape[1] == 1 else kv
 
 
 def detect_format(vllm_config: VllmConfig, layer_names: list[str]) -> str:

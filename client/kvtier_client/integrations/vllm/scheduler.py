@@ -29,6 +29,7 @@ their own; the first group's keys name the blocks.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -119,7 +120,7 @@ class KVTierScheduler:
 
     def __init__(self, links: list[DaemonLink], groups: list[KVGroup], config: ConnectorConfig, block_size: int, *,
                  do_load: bool, do_save: bool, workers: int = 1, events: bool = False,
-                 hash_block_size: int | None = None) -> None:
+                 hash_block_size: int | None = None, weights: bytes = b"") -> None:
         self.links, self.groups = links, groups
         self.link = links[0]  # lookups go through the first group's registration
         self.kv = self.link.kv
@@ -138,6 +139,9 @@ class KVTierScheduler:
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
         self._loading: list[str] = []  # requests whose background load goes out with the next metadata
+        #: Mixed into every key: the checkpoint (weights.py) and the epoch a reset_cache starts.
+        self.weights = weights
+        self._epoch = b""
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
@@ -145,7 +149,8 @@ class KVTierScheduler:
             return state
         if request.prompt_token_ids is None:
             return None  # prompt embeddings only: no token ids to name the KV by
-        salt, extras = request_salt(self.config.salt, request), block_extras(request, self.block_size)
+        salt = request_salt(self.config.salt + self.weights + self._epoch, request)
+        extras = block_extras(request, self.block_size)
         keys = [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
         state = _RequestState(request, keys, len(request.prompt_token_ids))
         self._requests[request.request_id] = state
@@ -416,21 +421,22 @@ class KVTierScheduler:
         return self._stats.take()
 
     def reset_cache(self) -> bool:
-        """vLLM's reset_prefix_cache(reset_connector=True): forget which keys are being stored
-        and the KV events not taken yet, and say False: kvtier's pages are not
-        dropped. They belong to the namespace, which other engines share and which outlives
-        this one; KV computed with other weights needs another namespace."""
+        """vLLM's reset_prefix_cache(reset_connector=True), which it calls after a weight update,
+        on pause_generation(clear_cache=True) and before sleep: from now on this engine reads
+        only pages stored after the reset (a new key epoch; on_reset="keep": the same keys, for
+        engines whose weights never change in memory), so KV computed with other weights is
+        never served to it. The pages themselves stay: they belong to the namespace, which
+        other engines share. Requests already known keep their keys; the keys being stored
+        and the KV events not taken yet are forgotten."""
+        if self.config.on_reset == "new_epoch":
+            self._epoch = os.urandom(8)
         self.saves.storing.clear()  # (saves in flight still end as the workers report them)
         self._events.clear()
         for state in self._requests.values():
             state.storing.clear()
-        log.warning(
-            "kvtier connector: reset_cache forgot the connector's pending state, but kvtier keeps the pages of "
-            "namespace %r (other engines share them). If the model's weights changed, restart with another "
-            "namespace (kv_connector_extra_config 'namespace'), or those pages will be served as they are",
-            self.config.namespace,
-        )
-        return False
+        log.info("kvtier connector: reset_cache (on_reset=%s) for namespace %r; pages stored before stay in kvtier "
+                 "for the engines that did not reset", self.config.on_reset, self.config.namespace)
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)

@@ -155,6 +155,7 @@ class KVTierWorker:
         self.kv_cache_format = kv_cache_format
         self._vllm_config = vllm_config
         self._registered = False
+        self._kv_caches: dict[str, torch.Tensor] | None = None  # what register_kv_caches got (restore_kv_caches)
         #: layer name -> (group, the layer's index in the group)
         self._layer_index = {name: (g, i) for g, group in enumerate(groups) for i, name in enumerate(group.group.layer_names)}
         self._load_errors: set[int] = set()
@@ -180,8 +181,23 @@ class KVTierWorker:
         for group in self.groups:
             group.register(kv_caches, kv_format)
         self._registered = True
+        self._kv_caches = kv_caches
         log.info("kvtier connector: KV of %d layers in %d group(s) (%s format) mapped to kvtier pages %s",
                  len(self._layer_index), len(self.groups), kv_format, [g.layout.shape for g in self.groups])
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM 0.33): background loads end first, then the views go; nothing
+        touches vLLM's KV until restore_kv_caches. Idempotent."""
+        self._loader.submit(lambda: None).result()  # the loads queued before it have ended
+        for group in self.groups:
+            group.views, group.raw = [], []
+        self._registered = False
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: vLLM's KV tensors are mapped again at the same addresses (their
+        contents are gone, which is vLLM's business: it recomputes or reloads). Idempotent."""
+        if self._kv_caches is not None and not self._registered:
+            self.register_kv_caches(self._kv_caches)
 
     # -- one step ----------------------------------------------------------------------
     def start_step(self) -> None:
