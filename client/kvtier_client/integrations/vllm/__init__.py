@@ -17,45 +17,34 @@ Load it with vLLM's own configuration; nothing in vLLM needs patching:
         ),
     )
 
-What it does, per request (docs/integrations.md has the full story):
+What it does (docs/integrations.md has the full story and the support matrix):
 
-* Scheduler side (`get_num_new_matched_tokens`): computes the prompt's block keys (one
-  key per full vLLM block; kvtier `block_tokens` == vLLM `block_size`), looks them up,
-  and asks the load planner (`kvtier_client.integrations.planner.Planner`) how many of
-  the cached blocks beyond vLLM's own prefix-cache hit are worth loading: never more
-  than loading beats recomputing. vLLM must compute at least one prompt token itself, so
-  a prompt cached in full is loaded up to its last token (`len(prompt) - 1` tokens).
-  `update_state_after_alloc` turns the answer into a load of vLLM block ids, and
-  `build_connector_meta` adds, for every scheduled request, the full prompt blocks that
-  this step completes and kvtier does not hold yet.
-* Worker side: `register_kv_caches` maps vLLM's per-layer paged KV tensors onto views
-  shaped like kvtier pages; `start_load_kv` acquires the pages and copies them into
-  vLLM's blocks before the forward pass (synchronous: the scheduler marks such steps as
-  having synchronous loads, so vLLM calls it before the forward; `wait_for_layer_load`
-  then has nothing left to wait for); `save_kv_layer` copies each layer of the blocks to
-  store into borrowed pages as soon as the layer's attention has written it, and
-  `wait_for_save` copies any layer that was not handed over (a CUDA-graph replay skips
-  the per-layer hooks) and commits the pages under their keys.
+* Pages: one page layout per KV cache group (kv_groups.py), holding every KV head of the
+  model and every layer of the group, so all parallel shapes of a model share pages; each
+  worker writes and reads its part (shapes.py: its heads of its layers). MLA pages hold the
+  latent. Keys carry the configured salt, vLLM's cache salt and LoRA, multimodal extra keys
+  (extra_keys.py), the group, the checkpoint (weights.py) and the reset epoch.
+* Scheduler side (`get_num_new_matched_tokens`): a lookup (one group lookup for a hybrid
+  model or a window: the longest prefix every group can restore) and the load planner say
+  how many cached blocks beyond vLLM's own prefix-cache hit to load (never more than loading
+  beats recomputing; vLLM computes a fully cached prompt's last token itself). A load runs
+  before the step's forward pass, or in the background while the request waits (async_loads).
+  `build_connector_meta` adds, per scheduled request, the full prompt blocks this step
+  completes that are new; the scheduler borrows their pages and commits them once every
+  worker reported its part written (saves.py).
+* Worker side: `start_load_kv` acquires pages and copies this worker's part into vLLM's
+  blocks (batched torch copies on CPU, one kernel launch on a GPU); `save_kv_layer` copies
+  each layer of the blocks to store into the borrowed pages; `wait_for_save` copies what no
+  hook handed over and reports. Background loads end through `get_transfer_results`.
 * Each block is stored once: not if kvtier, vLLM's own prefix cache or another live request
   of the engine already has it (scheduler.py says how).
-* Measured speeds: the worker times each forward pass and its copies of loaded pages into
-  vLLM's blocks and reports them with `build_connector_worker_meta`; the scheduler feeds
-  them to `Planner.observe_prefill` and `Planner.observe_copy`. Copies are batched: per
-  layer, one gather and one scatter for all pages of a step.
 * `request_finished` returns `kv_transfer_params={"kvtier": {...}}` (loaded tokens, blocks
-  stored, the planner's reason), which vLLM attaches to the request's output.
-* vLLM's observability hooks: `take_events` gives vLLM's KV event publisher a `BlockStored`
-  for the blocks kvtier took (medium "CPU", ownership "kvtier"; when the engine enables
-  KV events); `get_kv_connector_stats` / `build_kv_connector_stats` / `build_prom_metrics`
-  count hits, loads and stores (stats.py); `reset_cache` forgets pending state and says
-  False, since kvtier keeps the namespace's pages.
+  stored, the planner's reason). KV events (events.py), stats and Prometheus metrics
+  (stats.py). `reset_cache` starts a new key epoch and says True; vLLM 0.33's sleep hooks
+  drop and restore the worker's views.
 
-What it supports: models whose layers are all full attention (one KV cache group), one
-worker (tensor, pipeline and context parallel size 1), text prompts (requests with
-multimodal inputs or prompt embeddings are neither loaded nor stored), the CPU attention
-backend (verified end to end) and the backends that keep K and V side by side in the last
-dimension (FlashAttention, Triton, FlexAttention; copies by torch indexing, see
-docs/integrations.md for the GPU path). Only prompt blocks are stored, not generated ones.
+What it refuses, with the reason at engine start: Mamba / linear-attention layers, context
+parallelism, a hybrid model with pipeline parallelism, K and V head sizes that differ.
 
 Configuration (`kv_connector_extra_config`), every key optional:
 
@@ -72,15 +61,26 @@ Configuration (`kv_connector_extra_config`), every key optional:
     connect_timeout   seconds to keep retrying an unreachable daemon per call (10)
     kv_cache_format   "auto" (default), "cpu" or "kv_last_dim": how a layer's KV tensor
                       [num_blocks, kv_heads, block_size, 2 * head_dim] holds K and V
+    async_loads   "auto" (background when a page is on disk or in the cluster, and for hybrid
+                  models), "always" or "never"
+    max_load_tokens   at most this many tokens loaded per request
+    on_reset      "new_epoch" (default) or "keep": what vLLM's cache reset does to the keys
 
 The package, one module per concern (vLLM loads one connector class and tells it its role;
 `KVTierConnector` below is a thin facade that builds the half for that role and forwards to it):
 
-    config.py     ConnectorConfig (kv_connector_extra_config), page layout, namespace, one worker
-    link.py       DaemonLink: the registered client, and the gate that skips an unreachable daemon
+    config.py     ConnectorConfig (kv_connector_extra_config), the default namespace
+    kv_groups.py  KV cache groups as page layouts and what a restore needs of each
+    shapes.py     the parallel shape, and a worker's part of every page
+    weights.py    the checkpoint fingerprint in every key
+    extra_keys.py multimodal inputs as block-key extras
+    link.py       DaemonLink: a registered client, and the gate that skips an unreachable daemon
     metadata.py   LoadOp, SaveOp and the per-step messages between the roles
-    scheduler.py  KVTierScheduler: lookups, load planning, metadata building, KV events
-    worker.py     KVTierWorker: vLLM's KV as page views, acquire/borrow/commit and the copies
+    scheduler.py  KVTierScheduler: lookups, load planning, metadata building
+    saves.py      saves in flight: borrowed pages, committed once every worker wrote its part
+    events.py     the BlockStored events of the blocks kvtier took
+    kv_views.py   per group, vLLM's KV tensors as views shaped like a worker's part of a page
+    worker.py     KVTierWorker: the copies, foreground and background loads, reports
     stats.py      KVTierConnectorStats and its Prometheus counters
 
 Every vLLM import of the project happens in this package, so the rest of kvtier_client does
