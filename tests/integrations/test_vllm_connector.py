@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-checks")
-    daemon = start_daemon(tmp, host_size="16MiB", disk_size="32MiB")
+    daemon = start_daemon(tmp, "--max-pools", "12", host_size="16MiB", disk_size="32MiB")
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
@@ -148,3 +148,12 @@ def test_keys_carry_the_checkpoint(checks):
     fp = checks["keys"]["weights"]
     assert fp["a"] == fp["b"]
     assert len({fp["a"], fp["c"], fp["a_bf16"], fp["hub"]}) == 4
+
+
+def test_pages_of_several_vllm_blocks(checks):
+    """page_tokens = 2 blocks: keys, lookups and saves by pages, copies by blocks; a block vLLM's
+    own cache served is not copied over."""
+    p = checks["shapes"]["pages"]
+    assert p["stored"] == 2  # 2 pages of 2 blocks; the partial block is not stored
+    assert p["loaded_tokens"] == 4 * 32 - 32  # 4 blocks from kvtier, less the one vLLM served
+    assert p["equal"] and p["served_block_untouched"]

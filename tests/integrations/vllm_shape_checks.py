@@ -9,6 +9,8 @@ slice of the KV heads (vLLM's CPU_ATTN per-layer tensors, random bytes).
     missing_report   a TP=2 save that only rank 0 reports: nothing committed, pages released
     replicated       one KV head over two ranks (both hold it, rank 0 writes it), then TP=1 loads
     mla              MLA's latent (pages of order `latent`), written by rank 0 of 2, loaded by TP=1
+    pages            pages of 2 vLLM blocks (page_tokens=64): TP=2 stores, TP=1 loads a prompt
+                     whose first block vLLM's own cache served (that block is not copied)
 """
 from __future__ import annotations
 
@@ -41,19 +43,21 @@ def shapes(target: str) -> dict:
         """One engine: a scheduler and `tp` workers, each with its own KV tensors."""
 
         def __init__(self, layout: PageLayout, tp: int, namespace: str) -> None:
-            config = ConnectorConfig.from_extra({"target": target, "namespace": namespace, "planner": False},
-                                                default_namespace="x")
+            page = layout.block_tokens  # a multiple of BLOCK: pages of several vLLM blocks
+            config = ConnectorConfig.from_extra({"target": target, "namespace": namespace, "planner": False,
+                                                 "page_tokens": page}, default_namespace="x")
             self.layout, self.tp = layout, tp
-            group = single_group(layout, LAYER_NAMES)
+            group = single_group(layout, LAYER_NAMES, block_size=BLOCK)
             self.scheduler = KVTierScheduler([DaemonLink.open(config, layout, "scheduler")], [group], config, BLOCK,
-                                             do_load=True, do_save=True, workers=tp)
+                                             do_load=True, do_save=True, workers=tp, page_tokens=page)
             self.workers = []
             mla = layout.order == "latent"
             local = 1 if mla else max(1, layout.kv_heads // tp)
             for rank in range(tp):
                 part = WorkerSlice.of(ParallelShape(tp), rank, 0, layout.kv_heads, local, tuple(range(LAYERS)))
                 link = DaemonLink.open(config, layout, "worker")
-                worker = KVTierWorker([GroupViews(single_group(layout, LAYER_NAMES, local), part, link)], None, "cpu")
+                views = GroupViews(single_group(layout, LAYER_NAMES, local, block_size=BLOCK), part, link)
+                worker = KVTierWorker([views], None, "cpu")
                 shape = (NUM_BLOCKS, BLOCK, HEAD_DIM) if mla else (NUM_BLOCKS, local, BLOCK, 2 * HEAD_DIM)
                 kv = {name: torch.randn(*shape) for name in LAYER_NAMES}
                 worker.register_kv_caches(kv)
@@ -66,14 +70,16 @@ def shapes(target: str) -> dict:
             held = {worker.part.head_start: kv[name][block] for worker, kv in reversed(self.workers)}
             return torch.cat([held[start] for start in sorted(held)], dim=0)
 
-        def run(self, prompt: list[int], blocks: list[int], reporting: set[int] | None = None) -> dict:
-            """Admit a request for `prompt` into vLLM blocks `blocks` and run its prefill step;
-            only the ranks in `reporting` (default all) get their reports to the scheduler."""
+        def run(self, prompt: list[int], blocks: list[int], reporting: set[int] | None = None,
+                local: int = 0) -> dict:
+            """Admit a request for `prompt` into vLLM blocks `blocks`, `local` tokens of it from
+            vLLM's own cache, and run its prefill step; only the ranks in `reporting` (default
+            all) get their reports to the scheduler."""
             request = Request(f"r{next(ids)}", prompt, SamplingParams(max_tokens=1), None)
             scheduler = self.scheduler
             scheduler.on_new_request(request)
-            external, _ = scheduler.get_num_new_matched_tokens(request, 0)
-            request.num_computed_tokens = external or 0
+            external, _ = scheduler.get_num_new_matched_tokens(request, local)
+            request.num_computed_tokens = local + (external or 0)
             scheduler.update_state_after_alloc(request, None, external or 0)
             left = len(prompt) - request.num_computed_tokens
             meta = scheduler.build_connector_meta(SchedulerOutput(
@@ -143,4 +149,14 @@ def shapes(target: str) -> dict:
     loaded = mla1.run(e, [3, 4, 5])
     out["mla"] = {"stored": stored["stored_blocks"], "loaded_tokens": loaded["loaded_tokens"],
                   "equal": same(mla2, [0, 1], mla1, [3, 4])}
+    two_blocks = PageLayout(LAYERS, 2, HEAD_DIM, block_tokens=2 * BLOCK, dtype="float32")
+    big2, big1 = Engine(two_blocks, 2, "checks/pages"), Engine(two_blocks, 1, "checks/pages")
+    f = prompt(4)  # 4 blocks + 5 tokens: 2 pages
+    stored = big2.run(f, [0, 1, 2, 3, 4])
+    untouched = {n: big1.workers[0][1][n][6].clone() for n in LAYER_NAMES}
+    loaded = big1.run(f, [6, 7, 8, 9, 10], local=BLOCK)  # vLLM's cache served block 0 (in block 6)
+    out["pages"] = {"stored": stored["stored_blocks"], "loaded_tokens": loaded["loaded_tokens"],
+                    "equal": same(big2, [1, 2, 3], big1, [7, 8, 9]),
+                    "served_block_untouched": all(torch.equal(big1.workers[0][1][n][6], untouched[n])
+                                                  for n in LAYER_NAMES)}
     return out

@@ -65,6 +65,7 @@ Configuration (`kv_connector_extra_config`), every key optional:
                   models), "always" or "never"
     max_load_tokens   at most this many tokens loaded per request
     on_reset      "new_epoch" (default) or "keep": what vLLM's cache reset does to the keys
+    page_tokens   tokens per kvtier page, a multiple of vLLM's block size (default one block)
 
 The package, one module per concern (vLLM loads one connector class and tells it its role;
 `KVTierConnector` below is a thin facade that builds the half for that role and forwards to it):
@@ -157,7 +158,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config)
         )
         block_size = vllm_config.cache_config.block_size
-        self.groups = kv_groups(kv_cache_config, vllm_config)
+        self.groups = kv_groups(kv_cache_config, vllm_config, self.config.page_tokens)
         if len(self.groups) > 1 and self.config.async_loads == "never":
             raise ValueError("kvtier connector: async_loads='never' is not possible for a model with several KV cache "
                              "groups: vLLM takes such a model's load failures only per request, from background loads; "
@@ -183,6 +184,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVTierScheduler(
                 links, self.groups, self.config, block_size, do_load=transfer.is_kv_consumer,
                 do_save=transfer.is_kv_producer, weights=checkpoint_fingerprint(vllm_config),
+                page_tokens=self.config.page_tokens,
                 workers=shape.workers, events=bool(events and events.enable_kv_cache_events),
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
             )

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 CONFIG_KEYS = (
     "target", "namespace", "salt", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
     "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format", "async_loads", "max_load_tokens",
-    "on_reset",
+    "on_reset", "page_tokens",
 )
 #: How a layer's KV tensor holds K and V (kvtier_client.integrations.vllm.worker).
 KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
@@ -78,6 +78,7 @@ class ConnectorConfig:
     async_loads: str = "auto"
     max_load_tokens: int | None = None  # at most this many tokens loaded per request (None: no limit)
     on_reset: str = "new_epoch"
+    page_tokens: int | None = None  # tokens per kvtier page: a multiple of vLLM's block size (None: one block)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
@@ -130,6 +131,11 @@ class ConnectorConfig:
         max_load = extra.get("max_load_tokens")
         if max_load is not None and (isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0):
             raise ValueError(f"kvtier connector: max_load_tokens must be a whole number of tokens >= 0, got {max_load!r}")
+        page_tokens = extra.get("page_tokens")
+        if page_tokens is not None and (isinstance(page_tokens, bool) or not isinstance(page_tokens, int)
+                                        or page_tokens <= 0):
+            raise ValueError(f"kvtier connector: page_tokens must be a positive number of tokens (a multiple of "
+                             f"vLLM's block size), got {page_tokens!r}")
         on_reset = _as_str(extra, "on_reset", "new_epoch")
         if on_reset not in ON_RESET:
             raise ValueError(f"kvtier connector: on_reset must be one of {ON_RESET}, got {on_reset!r}")
@@ -138,6 +144,7 @@ class ConnectorConfig:
             insecure=_as_bool(extra, "insecure", False), use_planner=_as_bool(extra, "planner", True),
             prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
             async_loads=async_loads, max_load_tokens=max_load, on_reset=on_reset,
+            page_tokens=page_tokens,
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:

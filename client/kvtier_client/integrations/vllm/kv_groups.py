@@ -4,14 +4,15 @@ A model whose layers all use full attention (or MLA) has one group. A hybrid mod
 2/3's sliding and global layers, Llama 4's chunked layers) has several: each gets its own
 page layout (a page holds that group's layers), its own block keys (salted with the group,
 so groups with equal layouts never share a page) and its own rule for restoring a prefix of
-e blocks (kvtier_client.groups):
+e pages (kvtier_client.groups; a page is `page_tokens` tokens, one vLLM block unless the
+configuration says more):
 
-    full attention, MLA           FULL     every block [0, e)
-    sliding window of w tokens    WINDOW   the trailing ceil(w / block) blocks
-    chunked local attention of c  WINDOW   the trailing ceil(c / block) blocks (at most a chunk)
+    full attention, MLA           FULL     every page [0, e)
+    sliding window of w tokens    WINDOW   the trailing ceil(w / page) pages
+    chunked local attention of c  WINDOW   the trailing ceil(c / page) pages (at most a chunk)
 
-A window one block wider than the tokens strictly read is asked for (vLLM keeps
-ceil((w - 1) / block)), so a restore point inside the last block (vLLM computes a cached
+A window one token wider than the tokens strictly read is asked for (vLLM keeps
+ceil((w - 1) / block) blocks), so a restore point inside the last page (vLLM computes a cached
 prompt's last token itself) is covered too. Mamba and linear-attention groups are refused
 with the reason: their state per block exists in vLLM only with prefix caching's "align"
 mode, which the connector does not read yet.
@@ -40,16 +41,22 @@ class KVGroup:
 
     index: int  # vLLM's group index
     mode: GroupMode
-    window: int  # WINDOW: trailing blocks a restore needs; else 0
+    window: int  # WINDOW: trailing pages a restore needs; else 0
     layout: PageLayout
     layer_names: tuple[str, ...]  # this process's layers of the group
     page_layers: tuple[int, ...]  # the page layer of each of them
     local_heads: int  # KV heads this worker holds (of layout.kv_heads)
     salt: bytes  # mixed into the group's block keys (b"" for a single-group model)
+    block_size: int = 0  # vLLM's block: a page holds layout.block_tokens // block_size of them
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.layout.block_tokens // (self.block_size or self.layout.block_tokens)
 
 
-def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> list[KVGroup]:
-    """The engine's KV cache groups as kvtier groups, or ValueError saying what is not
+def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, page_tokens: int | None = None) -> list[KVGroup]:
+    """The engine's KV cache groups as kvtier groups with pages of `page_tokens` tokens (a
+    multiple of vLLM's block size; default one block), or ValueError saying what is not
     supported and why."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
@@ -58,23 +65,28 @@ def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> list[K
     if not single and vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("kvtier connector: a hybrid model (several KV cache groups) with pipeline parallelism is not "
                          "supported yet: each stage holds part of each group; run it with tensor parallelism")
+    block_size = vllm_config.cache_config.block_size
+    page = page_tokens or block_size
+    if page % block_size:
+        raise ValueError(f"kvtier connector: page_tokens={page} is not a multiple of vLLM's block size {block_size}")
     out = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
-        mode, window = _need(spec, vllm_config.cache_config.block_size)
+        mode, window = _need(spec, block_size, page)
         names = tuple(group.layer_names)
         layers = vllm_config.model_config.get_total_num_hidden_layers() if single else len(names)
-        layout = _layout(spec, vllm_config, layers)
+        layout = _layout(spec, vllm_config, layers, page)
         page_layers = tuple(layer_index(n) for n in names) if single else tuple(range(len(names)))
         if len(set(page_layers)) != len(page_layers) or any(not 0 <= i < layers for i in page_layers):
             raise ValueError(f"kvtier connector: attention layers {list(names)} do not map one to one onto the "
                              f"{layers} layers of a page")
         salt = b"" if single else f"|kv group {index} {mode.name} {window}".encode()
-        out.append(KVGroup(index, mode, window, layout, names, page_layers, spec.num_kv_heads, salt))
+        out.append(KVGroup(index, mode, window, layout, names, page_layers, spec.num_kv_heads, salt, block_size))
     return out
 
 
-def _need(spec: KVCacheSpec, block_size: int) -> tuple[GroupMode, int]:
+def _need(spec: KVCacheSpec, block_size: int, page: int) -> tuple[GroupMode, int]:
+    """What a restore needs of the group, in pages of `page` tokens."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -89,20 +101,20 @@ def _need(spec: KVCacheSpec, block_size: int) -> tuple[GroupMode, int]:
         raise ValueError(f"kvtier connector: KV group block size {spec.block_size} differs from the cache block "
                          f"size {block_size}")
     if isinstance(spec, SlidingWindowSpec):
-        return GroupMode.WINDOW, -(-spec.sliding_window // block_size)
+        return GroupMode.WINDOW, -(-spec.sliding_window // page)
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return GroupMode.WINDOW, -(-spec.attention_chunk_size // block_size)
+        return GroupMode.WINDOW, -(-spec.attention_chunk_size // page)
     if isinstance(spec, FullAttentionSpec):
         if getattr(spec, "sliding_window", None):
-            return GroupMode.WINDOW, -(-spec.sliding_window // block_size)
+            return GroupMode.WINDOW, -(-spec.sliding_window // page)
         if getattr(spec, "attention_chunk_size", None):
-            return GroupMode.WINDOW, -(-spec.attention_chunk_size // block_size)
+            return GroupMode.WINDOW, -(-spec.attention_chunk_size // page)
         return GroupMode.FULL, 0
     raise ValueError(f"kvtier connector: KV cache spec {type(spec).__name__} is not supported (full attention, "
                      "MLA, sliding window and chunked local attention are)")
 
 
-def _layout(spec: KVCacheSpec, vllm_config: VllmConfig, layers: int) -> PageLayout:
+def _layout(spec: KVCacheSpec, vllm_config: VllmConfig, layers: int, page: int) -> PageLayout:
     """A page of `layers` layers with every KV head of the model (not one rank's)."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -116,12 +128,13 @@ def _layout(spec: KVCacheSpec, vllm_config: VllmConfig, layers: int) -> PageLayo
         raise ValueError(f"kvtier connector: KV cache dtype {dtype} has no kvtier page dtype ({', '.join(DTYPE_BYTES)})")
     return PageLayout(
         layers=layers, kv_heads=1 if mla else vllm_config.model_config.get_total_num_kv_heads(),
-        head_dim=spec.head_size, block_tokens=spec.block_size, dtype=dtype, order="latent" if mla else "page_first",
+        head_dim=spec.head_size, block_tokens=page, dtype=dtype, order="latent" if mla else "page_first",
     )
 
 
-def single_group(layout: PageLayout, layer_names: list[str], local_heads: int | None = None) -> KVGroup:
+def single_group(layout: PageLayout, layer_names: list[str], local_heads: int | None = None,
+                 block_size: int | None = None) -> KVGroup:
     """The one group of a full-attention model whose local layer i is page layer i (for tools
     and tests that build the connector's halves without an engine)."""
     return KVGroup(0, GroupMode.FULL, 0, layout, tuple(layer_names), tuple(range(len(layer_names))),
-                   layout.kv_heads if local_heads is None else local_heads, b"")
+                   layout.kv_heads if local_heads is None else local_heads, b"", block_size or layout.block_tokens)

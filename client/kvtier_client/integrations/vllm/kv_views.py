@@ -58,19 +58,25 @@ class GroupViews:
         self.kv_format = "mla" if self.layout.order == "latent" else kv_format
         self.raw = [_latent(kv_caches[name]) if self.kv_format == "mla" else kv_caches[name]
                     for name in self.group.layer_names]
-        self.views = [page_view(name, kv, self.layout, self.part.heads, self.kv_format)
+        self.views = [page_view(name, kv, self.layout, self.part.heads, self.kv_format, self.group.block_size)
                       for name, kv in zip(self.group.layer_names, self.raw)]
         if self.cuda:
             register_arena(self.kv)
 
     @property
     def cuda(self) -> bool:
-        return bool(self.raw) and self.raw[0].is_cuda
+        """The group's KV is on a GPU and a page is one vLLM block: kernels_vllm copies it.
+        (Pages of several blocks go through the views, with torch copies, on a GPU too.)"""
+        return bool(self.raw) and self.raw[0].is_cuda and self.group.blocks_per_page == 1
 
-    def parts(self, page: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This worker's part of a page, per local layer: its heads of that page layer."""
+    def parts(self, page: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """This worker's part of a page, per vLLM block of the page (one unless page_tokens
+        says more) and per local layer: its heads of that layer's tokens of that block."""
         heads = slice(self.part.head_start, self.part.head_start + self.part.heads)
-        return tuple(page[layer][..., heads, :] for layer in self.part.page_layers)
+        block, latent = self.group.block_size or self.layout.block_tokens, self.layout.order == "latent"
+        layers = [page[layer][..., heads, :] for layer in self.part.page_layers]
+        tokens = [slice(i * block, (i + 1) * block) for i in range(self.group.blocks_per_page)]
+        return [tuple(layer[t] if latent else layer[:, t] for layer in layers) for t in tokens]
 
 
 def _latent(kv: torch.Tensor) -> torch.Tensor:
@@ -101,11 +107,13 @@ def detect_format(vllm_config: VllmConfig, layer_names: list[str]) -> str:
     )
 
 
-def page_view(name: str, kv: torch.Tensor, layout: PageLayout, heads: int, kv_format: str) -> torch.Tensor:
-    """A view of one layer's paged KV in the order of that layer of a page (module docstring)."""
+def page_view(name: str, kv: torch.Tensor, layout: PageLayout, heads: int, kv_format: str,
+              block: int = 0) -> torch.Tensor:
+    """A view of one layer's paged KV (vLLM blocks of `block` tokens; default a page's) in
+    the order of that layer of a page (module docstring)."""
     if str(kv.dtype).removeprefix("torch.") != layout.dtype:
         raise ValueError(f"kvtier connector: layer {name} KV dtype {kv.dtype} is not the page dtype {layout.dtype}")
-    block, dim = layout.block_tokens, layout.head_dim
+    block, dim = block or layout.block_tokens, layout.head_dim
     if kv_format == "mla":
         if kv.dim() != 3 or tuple(kv.shape[1:]) != (block, dim):
             raise ValueError(f"kvtier connector: MLA layer {name} KV tensor has shape {tuple(kv.shape)}, expected "

@@ -14,10 +14,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvtier_client.keys import BlockKey
 
 
+#: In a LoadOp's block ids: a block of the page not to copy (vLLM holds it already).
+SKIP = -1
+
+
 @dataclass
 class LoadOp:
-    """Copy the cached pages of `keys` into vLLM blocks `block_ids` (same length) of KV
-    cache group `group` (kvtier_client.integrations.vllm.kv_groups). `background`: the
+    """Copy the cached pages of `keys` into vLLM blocks `block_ids` of KV cache group
+    `group` (kvtier_client.integrations.vllm.kv_groups): a page holds blocks_per_page blocks,
+    so block_ids has that many per key, in order (SKIP: not that block). `background`: the
     request waits for it (vLLM's asynchronous load), so it runs beside the step's forward
     pass and is reported finished (or failed) through vLLM's transfer results."""
 
@@ -30,8 +35,9 @@ class LoadOp:
 
 @dataclass
 class SaveOp:
-    """Write vLLM blocks `block_ids` into the scheduler's borrowed host pages `slots` (same
-    length): the request's prompt blocks from block `first` on. Each worker writes its part
+    """Write vLLM blocks `block_ids` into the scheduler's borrowed host pages `slots` (a
+    page holds blocks_per_page consecutive ones): the request's prompt pages from page
+    `first` on. Each worker writes its part
     of each page (kvtier_client.integrations.vllm.shapes); the scheduler commits the pages
     under their keys once every worker has reported its part written."""
 

@@ -46,6 +46,7 @@ from kvtier_client.integrations.vllm.extra_keys import block_extras
 from kvtier_client.integrations.vllm.kv_groups import KVGroup
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import (
+    SKIP,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadOp,
@@ -83,6 +84,7 @@ class _RequestState:
     candidate: tuple[int, int, int] | None = None  # (first block, end block, external tokens) offered
     candidate_tiers: tuple[Tier, ...] = ()
     candidate_async: bool = False  # the candidate load runs in the background (async_loads)
+    local_blocks: int = 0  # vLLM blocks its own prefix cache served at the last lookup (not loaded again)
     load: tuple[int, int] | None = None  # blocks to load in the next step
     load_tiers: tuple[Tier, ...] = ()
     load_needs: tuple[range, ...] = ()
@@ -120,7 +122,7 @@ class KVTierScheduler:
 
     def __init__(self, links: list[DaemonLink], groups: list[KVGroup], config: ConnectorConfig, block_size: int, *,
                  do_load: bool, do_save: bool, workers: int = 1, events: bool = False,
-                 hash_block_size: int | None = None, weights: bytes = b"") -> None:
+                 hash_block_size: int | None = None, weights: bytes = b"", page_tokens: int | None = None) -> None:
         self.links, self.groups = links, groups
         self.link = links[0]  # lookups go through the first group's registration
         self.kv = self.link.kv
@@ -128,6 +130,10 @@ class KVTierScheduler:
         self._plain = len(groups) == 1 and groups[0].mode is GroupMode.FULL
         self.config = config
         self.block_size = block_size
+        #: A kvtier page holds `per_page` vLLM blocks (page_tokens; keys, lookups, loads and
+        #: saves go by pages, the copies by blocks).
+        self.page = page_tokens or block_size
+        self.per_page = self.page // block_size
         self.hash_block_size = hash_block_size or block_size
         self.do_load = do_load
         self.do_save = do_save
@@ -150,7 +156,7 @@ class KVTierScheduler:
         if request.prompt_token_ids is None:
             return None  # prompt embeddings only: no token ids to name the KV by
         salt = request_salt(self.config.salt + self.weights + self._epoch, request)
-        extras = block_extras(request, self.block_size)
+        extras = block_extras(request, self.page)
         keys = [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
         state = _RequestState(request, keys, len(request.prompt_token_ids))
         self._requests[request.request_id] = state
@@ -179,7 +185,7 @@ class KVTierScheduler:
             return 0, False
         state.kvtier_blocks = hit
         state.save_upto = max(state.save_upto, hit)
-        block = self.block_size
+        block = self.page
         local = num_computed_tokens // block
         if hit <= local:
             return 0, False
@@ -203,6 +209,7 @@ class KVTierScheduler:
             return 0, False
         end = -(-target // block)
         state.candidate = (local, end, external)
+        state.local_blocks = num_computed_tokens // self.block_size
         state.candidate_tiers = tuple(tiers[local:end])
         state.candidate_async = self._in_background(state.candidate_tiers)
         return external, state.candidate_async
@@ -241,7 +248,7 @@ class KVTierScheduler:
             return
         start, end, offered = state.candidate
         if num_external_tokens != offered:
-            end = -(-(start * self.block_size + num_external_tokens) // self.block_size)
+            end = -(-(start * self.page + num_external_tokens) // self.page)
         state.load = (start, end)
         state.load_tiers = state.candidate_tiers[: end - start]
         state.load_needs = tuple(needed_blocks(g.mode, g.window, end) for g in self.groups)
@@ -262,7 +269,7 @@ class KVTierScheduler:
         counts: dict[CacheHitSource, int] = {}
         left = num_external_tokens
         for tier in state.load_tiers:
-            take = min(left, self.block_size)
+            take = min(left, self.page)
             source = _TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
             counts[source] = counts.get(source, 0) + take
             left -= take
@@ -308,7 +315,7 @@ class KVTierScheduler:
         """A request just (re)scheduled starts with `computed` tokens: vLLM's prefix-cache hit and
         kvtier's load. Neither is stored again: the loaded blocks are kvtier's, and the request
         that put the others in vLLM's cache computed and stored them."""
-        served = min(computed, state.prompt_tokens) // self.block_size
+        served = min(computed, state.prompt_tokens) // self.page
         if served > state.save_upto:
             self._stats.add(skipped_store_blocks=served - state.save_upto)
             state.save_upto = served
@@ -323,8 +330,8 @@ class KVTierScheduler:
             self._add_loads(state, req_id, start, end, meta)
         if not self.do_save or not self.link.available():
             return  # while the daemon is away, blocks wait; a later step of the request stores them
-        full = min(computed + scheduled, state.prompt_tokens) // self.block_size
-        full = min(full, len(state.keys), *(len(ids) for ids in state.block_ids))
+        full = min(computed + scheduled, state.prompt_tokens) // self.page
+        full = min(full, len(state.keys), *(len(ids) // self.per_page for ids in state.block_ids))
         first = state.save_upto
         while first < full and state.keys[first] in self.saves.storing:
             first += 1  # another live request stores it (keys are chained: theirs come first)
@@ -338,34 +345,37 @@ class KVTierScheduler:
 
     def _add_loads(self, state: _RequestState, req_id: str, start: int, end: int,
                    meta: KVTierConnectorMetadata, *, background: bool = False) -> None:
-        """LoadOps for blocks [start, end) of the request: per group, those a restore to
-        `end` needs (all of them for full attention, the trailing window for a window)."""
-        if any(end > len(ids) for ids in state.block_ids):  # cannot happen with a consistent block table
-            log.warning("kvtier connector: request %s has blocks %s, load needs %d; not loading", req_id,
-                        [len(ids) for ids in state.block_ids], end)
-            return
+        """LoadOps for pages [start, end) of the request: per group, those a restore to `end`
+        needs (all of them for full attention, the trailing window for a window), as the
+        vLLM blocks of each page (SKIP for a block vLLM holds already, or has not allocated:
+        past the tokens loaded)."""
+        k = self.per_page
         for g, (need, ids, keys) in enumerate(zip(state.load_needs, state.block_ids, state.group_keys)):
-            blocks = [i for i in range(max(start, need.start), end) if not self._dropped(g, ids[i])]
-            if blocks:
-                meta.loads.append(LoadOp(req_id, [ids[i] for i in blocks], [keys[i] for i in blocks], g, background))
+            pages = range(max(start, need.start), end)
+            blocks = [ids[b] if state.local_blocks <= b < len(ids) and not self._dropped(g, ids[b]) else SKIP
+                      for p in pages for b in range(p * k, (p + 1) * k)]
+            if any(b != SKIP for b in blocks):
+                meta.loads.append(LoadOp(req_id, blocks, [keys[p] for p in pages], g, background))
 
     def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int,
                    meta: KVTierConnectorMetadata) -> None:
-        """SaveOps for prompt blocks [first, full), one per group, into pages borrowed now:
+        """SaveOps for prompt pages [first, full), one per group, into pages borrowed now:
         every group's or none (a group whose blocks vLLM already dropped, outside its
         window, is left out)."""
-        groups = [g for g, ids in enumerate(state.block_ids) if not any(self._dropped(g, i) for i in ids[first:full])]
+        k = self.per_page
+        groups = [g for g, ids in enumerate(state.block_ids)
+                  if not any(self._dropped(g, i) for i in ids[first * k : full * k])]
         leases = self.saves.borrow(groups, full - first, req_id)
         if leases is None:
             self._stats.add(store_failed_blocks=full - first)
             return  # a miss later; the blocks are not tried again for this request
-        tokens = list(state.request.prompt_token_ids[first * self.block_size : full * self.block_size])
+        tokens = list(state.request.prompt_token_ids[first * self.page : full * self.page])
         for g, lease in leases.items():
             keys = state.group_keys[g]
-            meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first:full], list(lease.slots), g))
+            meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first * k : full * k], list(lease.slots), g))
             payload = None
             if g == 0 and self.events:
-                payload = block_payload(state.request, first, full, self.block_size, self.hash_block_size)
+                payload = block_payload(state.request, first * k, full * k, self.block_size, self.hash_block_size)
             self.saves.sent[(req_id, first, g)] = SentSave(lease, keys[first:full], keys[first - 1] if first else None,
                                                            tokens, payload, self._outputs)
         for key in state.keys[first:full]:
@@ -411,7 +421,8 @@ class KVTierScheduler:
         if new is None:
             self.saves.unmark(sent.keys, end.req_id)
         elif sent.event is not None:
-            self._events.extend(sent.event.events(new, self.block_size))
+            blocks = tuple(p * self.per_page + j for p in new for j in range(self.per_page))
+            self._events.extend(sent.event.events(blocks, self.block_size))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

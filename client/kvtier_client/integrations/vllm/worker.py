@@ -41,6 +41,7 @@ from kvtier_client.client import Wait
 from kvtier_client.errors import KVTierError
 from kvtier_client.integrations.vllm.link import log
 from kvtier_client.integrations.vllm.metadata import (
+    SKIP,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadOp,
@@ -69,8 +70,8 @@ class _LoadDone:
 
 @dataclass
 class _PendingSave:
-    """A SaveOp of this step: this worker's parts of its pages (each as its local layers)
-    and the layers copied."""
+    """A SaveOp of this step: its pages, this worker's parts of them (per vLLM block, each as
+    its local layers: `page_layers[i]` goes with op.block_ids[i]) and the layers copied."""
 
     op: SaveOp
     pages: list[torch.Tensor]
@@ -245,14 +246,16 @@ class KVTierWorker:
         if group.link.available():
             try:
                 with group.kv.acquire(op.keys, wait=Wait.ALL) as lease:
-                    pages = list(lease.tensors())[: len(op.block_ids)]
+                    pages = list(lease.tensors())[: len(op.keys)]
                     started = time.perf_counter()
                     if group.cuda:  # one kernel launch; done before the lease releases the pages
                         load_blocks(group.raw, pages, op.block_ids[: len(pages)], head_offset=group.part.head_start,
                                     page_layers=group.part.page_layers, kv_format=group.kv_format)
                         torch.cuda.current_stream().synchronize()
                     else:
-                        load_pages(group.views, [group.parts(p) for p in pages], op.block_ids[: len(pages)],
+                        parts = [part for page in pages for part in group.parts(page)]
+                        wanted = [i for i, b in enumerate(op.block_ids[: len(parts)]) if b != SKIP]
+                        load_pages(group.views, [parts[i] for i in wanted], [op.block_ids[i] for i in wanted],
                                    self._copy_threads)
                     seconds = time.perf_counter() - started
                     copied = len(pages)
@@ -261,14 +264,16 @@ class KVTierWorker:
         return _LoadDone(op, copied, copied * group.part_bytes, seconds)
 
     def _count(self, done: _LoadDone) -> bool:
-        """Count a finished load; False if some of its blocks did not arrive."""
-        missing = len(done.op.block_ids) - done.copied
+        """Count a finished load (in pages); False if some of its pages did not arrive."""
+        op = done.op
+        missing = len(op.keys) - done.copied
         self._report.copy_bytes += done.copy_bytes
         self._report.copy_seconds += done.copy_seconds
         self._stats.add(load_blocks=done.copied, load_bytes=done.copy_bytes, load_failed_blocks=missing)
-        if missing and not done.op.background:
+        if missing and not op.background:
             # vLLM recomputes from the first block that did not arrive (kv_load_failure_policy).
-            self._load_errors.update(done.op.block_ids[done.copied :])
+            k = len(op.block_ids) // len(op.keys)
+            self._load_errors.update(b for b in op.block_ids[done.copied * k :] if b != SKIP)
         return not missing
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
@@ -322,7 +327,7 @@ class KVTierWorker:
                 for slot in op.slots:
                     arena.prepare_write(slot)
                 pages = [arena.torch(slot) for slot in op.slots]
-                self._pending_saves.append(_PendingSave(op, pages, [group.parts(page) for page in pages]))
+                self._pending_saves.append(_PendingSave(op, pages, [part for page in pages for part in group.parts(page)]))
         return self._pending_saves
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
