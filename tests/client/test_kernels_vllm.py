@@ -73,10 +73,8 @@ def engine_row(layer: np.ndarray, fmt: str, b: int, kv: int, t: int, h: int) -> 
     return (b, t, 0)
 
 
-def expected_save(layers, pages, block_ids, fmt, head_offset=0, page_layers=None) -> list[np.ndarray]:
-    """Pages after a save, by a loop over every element."""
-    out = [bits(p).copy() for p in pages]
-    src = [bits(layer) for layer in layers]
+def element_pairs(layers, block_ids, fmt, head_offset=0, page_layers=None):
+    """Every copied element, by a loop over them: (page j, its index, engine layer i, its index)."""
     heads = 1 if fmt == "mla" else layers[0].shape[1]
     page_layers = page_layers or range(len(layers))
     for j, b in enumerate(block_ids):
@@ -84,31 +82,27 @@ def expected_save(layers, pages, block_ids, fmt, head_offset=0, page_layers=None
             for kv in range(1 if fmt == "mla" else 2):
                 for t in range(T):
                     for h in range(heads):
-                        at = engine_row(src[i], fmt, b, kv, t, h)
+                        at = engine_row(bits(layers[i]), fmt, b, kv, t, h)
                         for d in range(D):
-                            value = src[i][(*at[:-1], at[-1] + d)]
-                            if fmt == "mla":
-                                out[j][pl, t, d] = value
-                            else:
-                                out[j][pl, kv, t, head_offset + h, d] = value
+                            page_at = (pl, t, d) if fmt == "mla" else (pl, kv, t, head_offset + h, d)
+                            yield j, page_at, i, (*at[:-1], at[-1] + d)
+
+
+def expected_save(layers, pages, block_ids, fmt, head_offset=0, page_layers=None) -> list[np.ndarray]:
+    """Pages after a save, element by element."""
+    out = [bits(p).copy() for p in pages]
+    src = [bits(layer) for layer in layers]
+    for j, page_at, i, engine_at in element_pairs(layers, block_ids, fmt, head_offset, page_layers):
+        out[j][page_at] = src[i][engine_at]
     return out
 
 
 def expected_load(layers, pages, block_ids, fmt, head_offset=0, page_layers=None) -> list[np.ndarray]:
-    """Layers after a load, by a loop over every element."""
+    """Layers after a load, element by element."""
     out = [bits(layer).copy() for layer in layers]
     src = [bits(p) for p in pages]
-    heads = 1 if fmt == "mla" else layers[0].shape[1]
-    page_layers = page_layers or range(len(layers))
-    for j, b in enumerate(block_ids):
-        for i, pl in enumerate(page_layers):
-            for kv in range(1 if fmt == "mla" else 2):
-                for t in range(T):
-                    for h in range(heads):
-                        at = engine_row(out[i], fmt, b, kv, t, h)
-                        for d in range(D):
-                            value = src[j][pl, t, d] if fmt == "mla" else src[j][pl, kv, t, head_offset + h, d]
-                            out[i][(*at[:-1], at[-1] + d)] = value
+    for j, page_at, i, engine_at in element_pairs(layers, block_ids, fmt, head_offset, page_layers):
+        out[i][engine_at] = src[j][page_at]
     return out
 
 
