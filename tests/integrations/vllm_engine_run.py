@@ -11,7 +11,7 @@
         (--build-model: build MODEL_DIR first, in this process) run the prompts one
         generate() call after another (greedy) and write, per prompt,
         the prompt and generated token ids, the generated tokens' logprobs, vLLM's
-        num_cached_tokens and the connector's kv_transfer_params; then the --batch-prompts,
+        num_cached_tokens, the connector's kv_transfer_params and the call's seconds; then the --batch-prompts,
         all in one generate() call (so vLLM schedules them side by side), the same per prompt.
         --in-process runs the engine core and the worker inside this process
         (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in half the time); by default they are
@@ -56,7 +56,7 @@ def build(model_dir: str) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(words), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
         bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir)
@@ -116,6 +116,9 @@ def _result(out) -> dict:
         "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids)],
         "num_cached_tokens": out.num_cached_tokens,
         "kv_transfer_params": out.kv_transfer_params,
+        # Engine-core time from scheduling to the first token (with --stats): loads and prefill.
+        "first_token_s": (out.metrics.first_token_ts - out.metrics.scheduled_ts
+                          if getattr(out, "metrics", None) and out.metrics.first_token_ts else None),
     }
 
 
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace) -> None:
                                                      endpoint=args.kv_events)
     started = time.monotonic()
     llm = LLM(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=1024, enforce_eager=True,
+        model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len, enforce_eager=True,
         enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv_config, seed=0,
         max_num_seqs=4, disable_log_stats=not args.stats, **options,
     )
@@ -163,7 +166,11 @@ def run(args: argparse.Namespace) -> None:
         prompts = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
     # One call per prompt: each finishes (and is stored) before the next.
-    results = [_result(llm.generate([prompt], params, use_tqdm=False)[0]) for prompt in prompts]
+    results = []
+    for prompt in prompts:
+        started_prompt = time.monotonic()
+        results.append(_result(llm.generate([prompt], params, use_tqdm=False)[0]))
+        results[-1]["seconds"] = time.monotonic() - started_prompt
     batch_results = []
     if args.batch_prompts:
         with open(args.batch_prompts) as f:
@@ -196,6 +203,7 @@ def main() -> None:
     r.add_argument("--arch", default="llama", help="the tiny model --build-model writes (vllm_models.py ARCHS)")
     r.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="vLLM block size (CPU MLA needs 16)")
     r.add_argument("--dtype", default="float32", help="model dtype (CPU MLA needs bfloat16)")
+    r.add_argument("--max-model-len", type=int, default=1024)
     r.add_argument("--in-process", action="store_true")
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--max-tokens", type=int, default=12)
