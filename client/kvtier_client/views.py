@@ -98,12 +98,13 @@ class HostArenaView:
         self.slots = len(buffer) // slot_bytes
         self._mm: mmap.mmap | None = buffer
         self._bytes: np.ndarray | None = np.frombuffer(buffer, dtype=np.uint8)
-        self._mapped = np.zeros(self.slots, dtype=bool)  # slots `prepare_write` mapped here
+        self._mapped = np.zeros(self.slots, dtype=bool)  # slots `map_slot` mapped here
 
-    def prepare_write(self, slot: Slot) -> None:
-        """Map a slot's memory in this process in one call before writing it the first
-        time, instead of one page fault per 4 KiB as the copy goes (a fresh arena's first
-        fill). Later writes skip it; a slot the daemon took away meanwhile just faults."""
+    def map_slot(self, slot: Slot) -> None:
+        """Map a slot's memory in this process in one call before it is touched the first
+        time (read or written), instead of one page fault per 4 KiB as a copy goes: a fresh
+        arena's first fill, and a process's first read of pages another process wrote. Later
+        calls cost a look-up; a slot the daemon took away meanwhile just faults."""
         if self._mm is None or self._mapped[slot]:
             return
         self._mapped[slot] = True

@@ -30,7 +30,7 @@ def checks(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # A small copy shape keeps this quick; vllm_checks.py copies alone runs the full-size one.
-        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "groups", "keys", "copies", "--pages", "64",
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "groups", "keys", "async", "copies", "--pages", "64",
                    "--layers", "4"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     finally:
@@ -157,3 +157,16 @@ def test_pages_of_several_vllm_blocks(checks):
     assert p["stored"] == 2  # 2 pages of 2 blocks; the partial block is not stored
     assert p["loaded_tokens"] == 4 * 32 - 32  # 4 blocks from kvtier, less the one vLLM served
     assert p["equal"] and p["served_block_untouched"]
+
+
+def test_a_load_from_disk_runs_beside_the_step_in_the_background(checks):
+    """async_loads: the step the other requests are in does not wait for a request's disk
+    load (times measured in this run, printed; only what happened is asserted)."""
+    a = checks["async"]
+    assert a["tiers_before"] == [2, 2]  # the prompt's pages were on disk both times
+    fg, bg = a["foreground"], a["background"]
+    assert (fg["background"], bg["background"]) == (False, True)
+    assert fg["external"] == bg["external"] == 48 * 32
+    assert a["equal"]
+    print(f"\nstep with a 48-page load from disk: in the step {fg['step_s'] * 1000:.2f} ms; in the background "
+          f"{bg['step_s'] * 1000:.2f} ms (the load itself {bg['load_s'] * 1000:.2f} ms, beside it)")

@@ -28,6 +28,7 @@ page of a LoadOp or SaveOp in one kernel launch (its per-layer hooks are skipped
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +96,9 @@ class CopyThreads:
         self._pool = None
         if self.threads > 1:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
+            started = threading.Barrier(self.threads - 1)  # each task waits for the others: one thread each
+            for _ in range(self.threads - 1):  # started now, not in the first load's time
+                self._pool.submit(started.wait, 5.0)
 
     def split(self, items: list, work: Callable[[list], None]) -> None:
         """`work` on `items` cut into one contiguous part per thread; this thread does the first."""
@@ -325,7 +329,7 @@ class KVTierWorker:
                 if arena is None:
                     raise RuntimeError("kvtier connector: the worker's client does not map the host arena")
                 for slot in op.slots:
-                    arena.prepare_write(slot)
+                    arena.map_slot(slot)
                 pages = [arena.torch(slot) for slot in op.slots]
                 self._pending_saves.append(_PendingSave(op, pages, [part for page in pages for part in group.parts(page)]))
         return self._pending_saves
