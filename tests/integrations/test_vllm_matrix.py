@@ -132,18 +132,21 @@ def test_a_mamba_hybrid_is_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a measurement (three engines with a 4k-token context): run with -m slow
-def test_time_to_first_token_from_host_against_recompute(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page_tokens", [BLOCK, 256])
+def test_time_to_first_token_from_host_against_recompute(tmp_path: Path, page_tokens: int) -> None:
     """A 4k-token prompt on the Llama config: its first token once the prompt is in kvtier's
     host tier, against recomputing it, in the same kind of engine (printed, never asserted:
     the machine is shared; the issue's target is >= 10x)."""
     rng = random.Random(3)
-    warm_up, prompt = _words(rng, 40), _words(rng, 4000)  # the first call of an engine pays its warm-up
+    # The first call of an engine pays its warm-up, and its first prefill over loaded context
+    # (vLLM's, the connector's) too: a warm-up prompt of two pages goes first.
+    warm_up, prompt = _words(rng, 2 * page_tokens + 8), _words(rng, 4000)
     files = _prompt_files(tmp_path, long=[warm_up, prompt])
     model = tmp_path / "model"
     daemon = start_daemon(tmp_path, host_size="64MiB", disk_size="64MiB")
     try:
         args = ("--in-process", "--max-model-len", "4200", "--max-tokens", "1", "--stats")
-        kv = ("--kvtier", daemon.target, "--namespace", "e2e/ttft")
+        kv = ("--kvtier", daemon.target, "--namespace", "e2e/ttft", "--kv-extra", json.dumps({"page_tokens": page_tokens}))
         ref = run_engine(tmp_path, "recompute", model, files["long"], "--build-model", "--no-prefix-caching", *args)
         run_engine(tmp_path, "cold", model, files["long"], *kv, *args)
         warm = run_engine(tmp_path, "from-host", model, files["long"], *kv, "--no-prefix-caching", *args)
@@ -151,11 +154,11 @@ def test_time_to_first_token_from_host_against_recompute(tmp_path: Path) -> None
         daemon.stop()
     hit = warm["results"][1]["kv_transfer_params"]["kvtier"]["loaded_tokens"]
     n = len(ref["results"][1]["prompt_token_ids"])
-    assert hit == min(n // BLOCK * BLOCK, n - 1)  # vLLM computes the last token of a fully cached prompt
+    assert hit == min(n // page_tokens * page_tokens, n - 1)  # vLLM computes a fully cached prompt's last token
     assert_same_outputs(warm["results"], ref["results"])
     recompute, loaded = ref["results"][1]["seconds"], warm["results"][1]["seconds"]
     engine_recompute, engine_loaded = ref["results"][1]["first_token_s"], warm["results"][1]["first_token_s"]
-    print(f"\nTTFT, 4000-token prompt: generate() call: recompute {recompute * 1000:.1f} ms, from kvtier's host tier "
+    print(f"\nTTFT, 4000-token prompt, {page_tokens}-token pages: generate() call: recompute {recompute * 1000:.1f} ms, from kvtier's host tier "
           f"{loaded * 1000:.1f} ms ({hit} tokens loaded): {recompute / loaded:.1f}x; engine core, scheduled to first "
           f"token: {engine_recompute * 1000:.1f} ms vs {engine_loaded * 1000:.1f} ms: "
           f"{engine_recompute / engine_loaded:.1f}x")
