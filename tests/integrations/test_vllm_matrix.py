@@ -67,22 +67,23 @@ def test_tensor_parallel_engines_share_pages_both_ways(tmp_path: Path) -> None:
 
 
 #: Cases: name -> (arch, vLLM block size, dtype, prefill chunk of the runs that compute every
-#: token, more kv_connector_extra_config, tokens per kvtier page). Prompts of 300 and 200 tokens.
+#: token, more kv_connector_extra_config, tokens per kvtier page, tensor-parallel size of the
+#: cold run, which stores: the warm run that loads is TP=1). Prompts of 300 and 200 tokens.
 ARCH_CASES = {
     # Pages of 2 vLLM blocks, loads always in the background.
-    "llama-pages-async": ("llama", 32, "float32", None, {"page_tokens": 64, "async_loads": "always"}, 64),
+    "llama-pages-async": ("llama", 32, "float32", None, {"page_tokens": 64, "async_loads": "always"}, 64, 1),
     # Gemma-3 text: sliding-window (64 tokens) and global layers, vLLM's hybrid allocator:
-    # two groups, loaded in the background.
-    "gemma3": ("gemma3", 32, "float32", None, {}, 32),
+    # two groups, loaded in the background; stored by a TP=2 engine (one KV head per rank).
+    "gemma3-tp2-to-tp1": ("gemma3", 32, "float32", None, {}, 32, 2),
     # Mistral with a 64-token window on every layer: one WINDOW group (2 blocks).
-    "mistral": ("mistral", 32, "float32", None, {}, 32),
+    "mistral": ("mistral", 32, "float32", None, {}, 32, 1),
     # DeepSeek-V2-style MLA: latent pages; vLLM's CPU MLA kernels (AMX_MLA) take bfloat16
     # weights only, and vLLM turns its own prefix caching off for them. In bfloat16 a prefill
     # over cached context rounds differently from one over the whole prompt, so the runs that
     # compute every token prefill in chunks of 96 tokens: their last chunk starts where the
     # warm run's loaded prefix ends (288 and 192 tokens) and is the same computation, so the
     # outputs must still be equal to the bit.
-    "deepseek_v2": ("deepseek_v2", 32, "bfloat16", 96, {}, 32),
+    "deepseek_v2": ("deepseek_v2", 32, "bfloat16", 96, {}, 32, 1),
 }
 
 
@@ -90,7 +91,7 @@ ARCH_CASES = {
 def test_architecture_round_trip(tmp_path: Path, case: str) -> None:
     """Cold run stores every full prompt page; a fresh engine gets them as external hits
     with the reference's tokens and logprobs."""
-    arch, block, dtype, chunk, extra, page = ARCH_CASES[case]
+    arch, block, dtype, chunk, extra, page, cold_tp = ARCH_CASES[case]
     rng = random.Random(5)
     p1, p2 = _words(rng, 300), _words(rng, 200)
     files = _prompt_files(tmp_path, both=[p1, p2])
@@ -102,7 +103,8 @@ def test_architecture_round_trip(tmp_path: Path, case: str) -> None:
         kv = ("--kvtier", daemon.target, "--namespace", f"e2e/{arch}", *shape, "--kv-extra", json.dumps(extra))
         ref = run_engine(tmp_path, "reference", model, files["both"], "--build-model", "--arch", arch, "--in-process",
                          "--no-prefix-caching", *shape, *chunked)
-        cold = run_engine(tmp_path, "cold", model, files["both"], *kv, "--in-process", *chunked)
+        cold = run_engine(tmp_path, "cold", model, files["both"], *kv, *chunked,
+                          *(("--tp", str(cold_tp)) if cold_tp > 1 else ("--in-process",)))
         warm = run_engine(tmp_path, "warm", model, files["both"], *kv, "--in-process")
     finally:
         code = daemon.stop()
