@@ -253,8 +253,10 @@ class KVTierWorker:
                     pages = list(lease.tensors())[: len(op.keys)]
                     started = time.perf_counter()
                     if group.cuda:  # one kernel launch; done before the lease releases the pages
-                        load_blocks(group.raw, pages, op.block_ids[: len(pages)], head_offset=group.part.head_start,
-                                    page_layers=group.part.page_layers, kv_format=group.kv_format)
+                        wanted = [i for i, b in enumerate(op.block_ids[: len(pages)]) if b != SKIP]
+                        load_blocks(group.raw, [pages[i] for i in wanted], [op.block_ids[i] for i in wanted],
+                                    head_offset=group.part.head_start, page_layers=group.part.page_layers,
+                                    kv_format=group.kv_format)
                         torch.cuda.current_stream().synchronize()
                     else:
                         parts = [part for page in pages for part in group.parts(page)]
