@@ -78,6 +78,7 @@ def test_reset_cache_starts_a_new_key_epoch(checks):
     assert reset["answer"] is True  # so vLLM's pause and sleep go on
     assert (reset["storing_after"], reset["sent_after"]) == (0, 1)
     assert reset["hit_after"] == 0  # r1's prompt, cached before the reset, is not a hit after it
+    assert reset["renewed"]  # a request from before the reset never loads or stores under old keys
 
 
 def test_the_worker_drops_and_restores_its_kv_around_sleep(checks):
@@ -170,3 +171,9 @@ def test_a_load_from_disk_runs_beside_the_step_in_the_background(checks):
     assert a["equal"]
     print(f"\nstep with a 48-page load from disk: in the step {fg['step_s'] * 1000:.2f} ms; in the background "
           f"{bg['step_s'] * 1000:.2f} ms (the load itself {bg['load_s'] * 1000:.2f} ms, beside it)")
+
+
+def test_a_failed_background_load_is_not_offered_again(checks):
+    failed = checks["groups"]["after_failed_load"]
+    assert failed["first"] == [5 * 32, True]
+    assert failed["again"] == [0, False]

@@ -172,9 +172,13 @@ def dedupe(target: str) -> dict:
     reset = scheduler.reset_cache()
     r8 = new_request("r8", list(r1.prompt_token_ids))  # r1's prompt, after the reset: a new key epoch
     schedule(r8, 0)
+    # r7 outlived the reset (vLLM preempts running requests when it resets): asked again, it
+    # gets keys of the new epoch, and nothing of it counts as stored.
+    schedule(r7, 0)
+    renewed = scheduler._requests["r7"].keys != r7_keys and scheduler._requests["r7"].save_upto == 0
     reset_state = {"answer": reset, "storing_before": storing_before, "storing_after": len(scheduler.saves.storing),
                    "sent_after": len(scheduler.saves.sent), "saves_sent": len(meta.saves),
-                   "hit_after": finish(r8)["loaded_tokens"]}
+                   "hit_after": finish(r8)["loaded_tokens"], "renewed": renewed}
 
     requests = (r1, r2, r3, r4, r5, r6, r6b, r7)
     reports = {r.request_id: finish(r) for r in requests}

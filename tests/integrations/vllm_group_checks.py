@@ -127,4 +127,12 @@ def groups(target: str) -> dict:
     stored = run(c, ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]), fail_group=1)  # blocks 3-4: group 0 only
     again = run(c, ([13, 14, 15, 16, 17, 18], [0, 20, 21, 22, 23, 24]))
     out["window_part"] = {"stored": stored, "again": again}
+    # A background load that failed (vLLM's failed_recving, then a recompute): asked again, the
+    # request is not offered the same hit (which would fail the same way, step after step).
+    request = Request(f"r{next(ids)}", a, SamplingParams(max_tokens=1), None)
+    first_offer = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([], [])), 0)
+    scheduler.update_connector_output(KVConnectorOutput(failed_recving={request.request_id}))
+    out["after_failed_load"] = {"first": list(first_offer), "again": list(scheduler.get_num_new_matched_tokens(request, 0))}
+    scheduler.request_finished(request, [])
     return out

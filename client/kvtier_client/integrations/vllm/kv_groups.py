@@ -48,10 +48,21 @@ class KVGroup:
     local_heads: int  # KV heads this worker holds (of layout.kv_heads)
     salt: bytes  # mixed into the group's block keys (b"" for a single-group model)
     block_size: int = 0  # vLLM's block: a page holds layout.block_tokens // block_size of them
+    sliding: int = 0  # tokens of a sliding window (vLLM frees the blocks behind it)
+    chunk: int = 0  # tokens of a local-attention chunk (vLLM frees the chunks before the current one)
 
     @property
     def blocks_per_page(self) -> int:
         return self.layout.block_tokens // (self.block_size or self.layout.block_tokens)
+
+    def kept_from(self, computed: int) -> int:
+        """The first token whose block vLLM still holds once `computed` tokens are computed:
+        a window group's older blocks are freed (and reused) as the request goes on."""
+        if self.sliding:
+            return max(0, computed - self.sliding + 1)
+        if self.chunk:
+            return computed // self.chunk * self.chunk
+        return 0
 
 
 def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, page_tokens: int | None = None) -> list[KVGroup]:
@@ -73,6 +84,8 @@ def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, page_toke
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         mode, window = _need(spec, block_size, page)
+        sliding = getattr(spec, "sliding_window", None) or 0
+        chunk = getattr(spec, "attention_chunk_size", None) or 0
         names = tuple(group.layer_names)
         layers = vllm_config.model_config.get_total_num_hidden_layers() if single else len(names)
         layout = _layout(spec, vllm_config, layers, page)
@@ -80,8 +93,11 @@ def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, page_toke
         if len(set(page_layers)) != len(page_layers) or any(not 0 <= i < layers for i in page_layers):
             raise ValueError(f"kvtier connector: attention layers {list(names)} do not map one to one onto the "
                              f"{layers} layers of a page")
-        salt = b"" if single else f"|kv group {index} {mode.name} {window}".encode()
-        out.append(KVGroup(index, mode, window, layout, names, page_layers, spec.num_kv_heads, salt, block_size))
+        # The group's rule is in its keys: one checkpoint run with and without its sliding
+        # window computes different KV.
+        salt = b"" if single and mode is GroupMode.FULL else f"|kv group {index} {mode.name} {sliding} {chunk}".encode()
+        out.append(KVGroup(index, mode, window, layout, names, page_layers, spec.num_kv_heads, salt, block_size,
+                           sliding, chunk))
     return out
 
 

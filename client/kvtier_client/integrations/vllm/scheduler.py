@@ -81,7 +81,7 @@ class _RequestState:
     prompt_tokens: int
     kvtier_blocks: int = 0  # leading blocks kvtier held at the last lookup
     found: tuple[int, int] = (0, 0)  # at the last lookup: cached blocks beyond vLLM's hit, of which to load
-    candidate: tuple[int, int, int] | None = None  # (first block, end block, external tokens) offered
+    candidate: tuple[int, int, int] | None = None  # (vLLM's computed tokens, end page, external tokens) offered
     candidate_tiers: tuple[Tier, ...] = ()
     candidate_async: bool = False  # the candidate load runs in the background (async_loads)
     local_blocks: int = 0  # vLLM blocks its own prefix cache served at the last lookup (not loaded again)
@@ -94,6 +94,8 @@ class _RequestState:
     loaded_tokens: int = 0
     stored_blocks: int = 0
     plan_reason: str = ""
+    epoch: bytes = b""  # the scheduler's key epoch when the keys were made (reset_cache)
+    load_failed: bool = False  # a background load of it failed: it is recomputed, not loaded again
 
     @property
     def keys(self) -> list[BlockKey]:
@@ -103,10 +105,12 @@ class _RequestState:
 
 def request_salt(base: bytes, request: Request) -> bytes:
     """The block-key salt of a request: the configured salt, vLLM's per-request cache_salt
-    and the LoRA adapter, each length-prefixed so no two combinations collide."""
+    and the LoRA adapter (name, id and path), each length-prefixed so no two combinations
+    collide."""
     parts = [base, (request.cache_salt or "").encode()]
     lora = getattr(request, "lora_request", None)
-    parts.append(f"{lora.lora_name}:{lora.lora_int_id}".encode() if lora is not None else b"")
+    parts.append(f"{lora.lora_name}:{lora.lora_int_id}:{getattr(lora, 'lora_path', '')}".encode()
+                 if lora is not None else b"")
     return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
 
 
@@ -151,16 +155,28 @@ class KVTierScheduler:
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
+        if state is not None and state.epoch != self._epoch and state.load is None:
+            self._renew(state)  # keys from before a reset_cache: never load or store under them
         if state is not None:
             return state
         if request.prompt_token_ids is None:
             return None  # prompt embeddings only: no token ids to name the KV by
-        salt = request_salt(self.config.salt + self.weights + self._epoch, request)
-        extras = block_extras(request, self.page)
-        keys = [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
-        state = _RequestState(request, keys, len(request.prompt_token_ids))
+        state = _RequestState(request, self._keys(request), len(request.prompt_token_ids), epoch=self._epoch)
         self._requests[request.request_id] = state
         return state
+
+    def _keys(self, request: Request) -> list[list[BlockKey]]:
+        """The request's key chain per group, in the current epoch."""
+        salt = request_salt(self.config.salt + self.weights + self._epoch, request)
+        extras = block_extras(request, self.page)
+        return [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
+
+    def _renew(self, state: _RequestState) -> None:
+        """A request that outlived a reset_cache (vLLM preempts running requests when it
+        resets) starts over in the new epoch: new keys, nothing of it known to be stored."""
+        self.saves.unmark(state.storing, state.request.request_id)
+        state.group_keys, state.epoch = self._keys(state.request), self._epoch
+        state.storing, state.save_upto, state.kvtier_blocks = [], 0, 0
 
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
@@ -174,7 +190,7 @@ class KVTierScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
-        if state is None or not self.do_load or not state.keys or not self.link.available():
+        if state is None or state.load_failed or not self.do_load or not state.keys or not self.link.available():
             return 0, False
         state.candidate = None
         state.found = (0, 0)
@@ -208,7 +224,7 @@ class KVTierScheduler:
         if external <= 0:
             return 0, False
         end = -(-target // block)
-        state.candidate = (local, end, external)
+        state.candidate = (num_computed_tokens, end, external)
         state.local_blocks = num_computed_tokens // self.block_size
         state.candidate_tiers = tuple(tiers[local:end])
         state.candidate_async = self._in_background(state.candidate_tiers)
@@ -246,9 +262,10 @@ class KVTierScheduler:
         self._stats.add(hit_blocks=hit, declined_blocks=hit - planned)
         if num_external_tokens <= 0 or state.candidate is None:
             return
-        start, end, offered = state.candidate
-        if num_external_tokens != offered:
-            end = -(-(start * self.page + num_external_tokens) // self.page)
+        computed, end, offered = state.candidate
+        if num_external_tokens != offered:  # vLLM took fewer tokens: the load ends where they do
+            end = -(-(computed + num_external_tokens) // self.page)
+        start = computed // self.page
         state.load = (start, end)
         state.load_tiers = state.candidate_tiers[: end - start]
         state.load_needs = tuple(needed_blocks(g.mode, g.window, end) for g in self.groups)
@@ -328,7 +345,7 @@ class KVTierScheduler:
             start, end = state.load
             state.load = None
             self._add_loads(state, req_id, start, end, meta)
-        if not self.do_save or not self.link.available():
+        if not self.do_save or not self.link.available() or state.epoch != self._epoch:
             return  # while the daemon is away, blocks wait; a later step of the request stores them
         full = min(computed + scheduled, state.prompt_tokens) // self.page
         full = min(full, len(state.keys), *(len(ids) // self.per_page for ids in state.block_ids))
@@ -341,7 +358,7 @@ class KVTierScheduler:
         if full <= first:
             return
         state.save_upto = full
-        self._add_saves(state, req_id, first, full, meta)
+        self._add_saves(state, req_id, first, full, computed, meta)
 
     def _add_loads(self, state: _RequestState, req_id: str, start: int, end: int,
                    meta: KVTierConnectorMetadata, *, background: bool = False) -> None:
@@ -357,14 +374,16 @@ class KVTierScheduler:
             if any(b != SKIP for b in blocks):
                 meta.loads.append(LoadOp(req_id, blocks, [keys[p] for p in pages], g, background))
 
-    def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int,
+    def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int, computed: int,
                    meta: KVTierConnectorMetadata) -> None:
         """SaveOps for prompt pages [first, full), one per group, into pages borrowed now:
-        every group's or none (a group whose blocks vLLM already dropped, outside its
-        window, is left out)."""
+        every group's or none. A window group whose blocks vLLM may have freed (behind its
+        window once `computed` tokens were computed: the connector's copy of the block table
+        does not see that) is left out."""
         k = self.per_page
         groups = [g for g, ids in enumerate(state.block_ids)
-                  if not any(self._dropped(g, i) for i in ids[first * k : full * k])]
+                  if first * self.page >= self.groups[g].kept_from(computed)
+                  and not any(self._dropped(g, i) for i in ids[first * k : full * k])]
         leases = self.saves.borrow(groups, full - first, req_id)
         if leases is None:
             self._stats.add(store_failed_blocks=full - first)
@@ -389,6 +408,9 @@ class KVTierScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._outputs += 1
+        for req_id in connector_output.failed_recving or ():
+            if (state := self._requests.get(req_id)) is not None:
+                state.load_failed = True  # vLLM recomputes it; asking again would loop on the same hit
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
             for outcome in meta.saves:
@@ -454,7 +476,8 @@ class KVTierScheduler:
         if state is None:
             return False, None
         self.saves.unmark(state.storing, request.request_id)
-        # Saves run synchronously inside the step that scheduled them: nothing is in flight.
+        # Its blocks are never held: the workers wrote its saves within their steps (the commits
+        # of the last step may come with that step's output, after this call).
         return False, {"kvtier": {
             "loaded_tokens": state.loaded_tokens,
             "cached_blocks": state.kvtier_blocks,

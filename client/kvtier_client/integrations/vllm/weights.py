@@ -1,4 +1,5 @@
-"""Which weights computed a page: a fingerprint of the checkpoint mixed into every block key,
+"""Which weights computed a page: a fingerprint of the checkpoint (and of the settings that
+change its KV: dtype, quantization, config overrides, load format) mixed into every block key,
 so an engine never loads KV another checkpoint computed, even under the same namespace and
 served model name (a fine-tune replacing its base at the same path, two revisions).
 
@@ -30,8 +31,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 def checkpoint_fingerprint(vllm_config: VllmConfig) -> bytes:
     """16 bytes naming the engine's checkpoint and the dtype its KV is computed in."""
     model = vllm_config.model_config
+    load = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
     h = hashlib.sha256()
-    h.update(f"{model.dtype}|{getattr(model, 'quantization', None)}|".encode())
+    # What changes the KV besides the files: dtype, quantization, config overrides (rope
+    # scaling and the like), random "dummy" weights, a sliding window turned off.
+    h.update(f"{model.dtype}|{getattr(model, 'quantization', None)}|{getattr(model, 'hf_overrides', None)}|"
+             f"{load}|{getattr(model, 'disable_sliding_window', None)}|".encode())
     directory = Path(model.model)
     if directory.is_dir():
         config = directory / "config.json"

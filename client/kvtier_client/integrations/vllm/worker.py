@@ -212,11 +212,19 @@ class KVTierWorker:
         self._pending_saves = None
 
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
-        if not isinstance(meta, KVTierConnectorMetadata) or not meta.loads or not self._registered:
+        if not isinstance(meta, KVTierConnectorMetadata) or not meta.loads:
             return
         started = time.perf_counter()
         for op in meta.loads:
-            if op.background:
+            if not self._registered:  # (asleep) reported failed: vLLM recomputes, nothing waits forever
+                log.warning("kvtier connector: a load for request %s came while the KV caches are unregistered",
+                            op.req_id)
+                if op.background:
+                    self._loading[op.req_id] += 1
+                    self._loaded.put(_LoadDone(op, 0, 0, 0.0))
+                else:
+                    self._count(_LoadDone(op, 0, 0, 0.0))
+            elif op.background:
                 self._loading[op.req_id] += 1
                 self._loader.submit(self._load_in_background, op)
             else:
@@ -231,11 +239,14 @@ class KVTierWorker:
         done = _LoadDone(op, 0, 0, 0.0)
         try:
             with torch.inference_mode():
-                if self.groups[op.group].cuda:
+                group = self.groups[op.group]
+                if group.cuda:
+                    device = group.raw[0].device
+                    torch.cuda.set_device(device)  # a new thread starts on device 0, not this rank's
                     if self._load_stream is None:
-                        self._load_stream = torch.cuda.Stream()
+                        self._load_stream = torch.cuda.Stream(device=device)
                     with torch.cuda.stream(self._load_stream):
-                        done = self._load(op)
+                        done = self._load(op)  # it synchronises the stream before the lease is released
                 else:
                     done = self._load(op)
         except Exception as exc:  # noqa: BLE001 - reported as a failed load, never lost with the thread
@@ -358,7 +369,13 @@ class KVTierWorker:
         if not self.part.writes:
             self._report.saves.extend(SaveOutcome(op.req_id, op.first, op.group, True, rank) for op in saves)
             return
-        for save in self._this_step(saves):
+        try:
+            pending = self._this_step(saves)
+        except (RuntimeError, ValueError, OSError) as exc:  # the pages could not be mapped: none written
+            log.warning("kvtier connector: mapping %d saves failed: %s", len(saves), exc)
+            self._report.saves.extend(SaveOutcome(op.req_id, op.first, op.group, False, rank) for op in saves)
+            return
+        for save in pending:
             op, ok, group = save.op, True, self.groups[save.op.group]
             try:
                 if group.cuda:  # every layer in one launch, landed before the scheduler commits
