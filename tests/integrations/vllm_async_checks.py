@@ -24,7 +24,7 @@ def background_loads(target: str) -> dict:
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -34,6 +34,7 @@ def background_loads(target: str) -> dict:
     from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.link import DaemonLink
     from kvtier_client.integrations.vllm.shapes import WorkerSlice
+    from vllm_steps import scheduler_output, worker_hooks
 
     torch.manual_seed(0)
     layout = PageLayout(LAYERS, HEADS, HEAD_DIM, block_tokens=BLOCK, dtype="float32")
@@ -53,18 +54,9 @@ def background_loads(target: str) -> dict:
 
     def step(scheduler, worker, scheduled: dict, new: list) -> float:
         """One step's connector hooks around an (empty) forward pass; their seconds."""
-        meta = scheduler.build_connector_meta(SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-            free_encoder_mm_hashes=[]))
+        meta = scheduler.build_connector_meta(scheduler_output(scheduled, new))
         started = time.perf_counter()
-        with torch.inference_mode():
-            worker.start_step()
-            worker.start_load_kv(meta)
-            for name in LAYER_NAMES:
-                worker.save_kv_layer(name, meta)
-            worker.wait_for_save(meta)
+        worker_hooks(worker, meta, LAYER_NAMES)
         seconds = time.perf_counter() - started
         scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta()))
         return seconds

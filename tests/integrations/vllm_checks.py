@@ -46,7 +46,7 @@ def dedupe(target: str) -> dict:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -56,6 +56,7 @@ def dedupe(target: str) -> dict:
     from kvtier_client.integrations.vllm.kv_groups import single_group
     from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.shapes import WorkerSlice
+    from vllm_steps import scheduler_output, worker_hooks
 
     layout = PageLayout(LAYERS, HEADS, HEAD_DIM, block_tokens=BLOCK, dtype="float32")
     # No planner: with no model behind it, a "forward pass" takes microseconds and would make it recompute.
@@ -92,19 +93,8 @@ def dedupe(target: str) -> dict:
         """One engine step: every admitted request computes the rest of its prompt."""
         new = [NewRequestData.from_request(r, (blocks,)) for r, blocks in admitted]
         tokens_now = {r.request_id: len(r.prompt_token_ids) - r.num_computed_tokens for r, _ in admitted}
-        out = SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens=tokens_now, total_num_scheduled_tokens=sum(tokens_now.values()),
-            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-            free_encoder_mm_hashes=[],
-        )
-        meta = scheduler.build_connector_meta(out)
-        with torch.inference_mode():  # as vLLM's model runner calls the worker
-            worker.start_step()
-            worker.start_load_kv(meta)
-            for name in LAYER_NAMES:
-                worker.save_kv_layer(name, meta)
-            worker.wait_for_save(meta)
+        meta = scheduler.build_connector_meta(scheduler_output(tokens_now, new))
+        worker_hooks(worker, meta, LAYER_NAMES)
         worker_stats.aggregate(worker.get_kv_connector_stats() or KVTierConnectorStats())
         report = worker.build_connector_worker_meta()
         scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
@@ -163,11 +153,8 @@ def dedupe(target: str) -> dict:
     r7 = new_request("r7", tokens(2 * BLOCK))
     schedule(r7, 0)
     r7_keys = list(scheduler._requests["r7"].keys)
-    meta = scheduler.build_connector_meta(SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData.from_request(r7, ([30, 31],))],
-        scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={"r7": 2 * BLOCK},
-        total_num_scheduled_tokens=2 * BLOCK, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-        finished_req_ids=set(), free_encoder_mm_hashes=[]))
+    meta = scheduler.build_connector_meta(
+        scheduler_output({"r7": 2 * BLOCK}, [NewRequestData.from_request(r7, ([30, 31],))]))
     storing_before = all(k in scheduler.saves.storing for k in r7_keys)
     reset = scheduler.reset_cache()
     r8 = new_request("r8", list(r1.prompt_token_ids))  # r1's prompt, after the reset: a new key epoch

@@ -28,7 +28,7 @@ def groups(target: str) -> dict:
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -39,6 +39,7 @@ def groups(target: str) -> dict:
     from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.link import DaemonLink
     from kvtier_client.integrations.vllm.shapes import WorkerSlice
+    from vllm_steps import scheduler_output, worker_hooks
 
     torch.manual_seed(0)
     config = ConnectorConfig.from_extra({"target": target, "namespace": "checks/hybrid", "planner": False},
@@ -61,17 +62,8 @@ def groups(target: str) -> dict:
     def step(scheduled: dict, new: list, fail_group: int | None = None) -> KVTierConnectorMetadata:
         """One engine step: metadata, the worker's hooks, its report back to the scheduler
         (the writes of `fail_group` reported failed)."""
-        meta = scheduler.build_connector_meta(SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-            free_encoder_mm_hashes=[]))
-        with torch.inference_mode():
-            worker.start_step()
-            worker.start_load_kv(meta)
-            for name in FULL_LAYERS + WINDOW_LAYERS:
-                worker.save_kv_layer(name, meta)
-            worker.wait_for_save(meta)
+        meta = scheduler.build_connector_meta(scheduler_output(scheduled, new))
+        worker_hooks(worker, meta, FULL_LAYERS + WINDOW_LAYERS)
         report = worker.build_connector_worker_meta()
         if report is not None and fail_group is not None:
             report.saves = [dataclasses.replace(s, ok=False) if s.group == fail_group else s for s in report.saves]

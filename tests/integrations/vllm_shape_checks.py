@@ -24,7 +24,7 @@ LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 def shapes(target: str) -> dict:
     import torch
     from vllm import SamplingParams
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -34,6 +34,7 @@ def shapes(target: str) -> dict:
     from kvtier_client.integrations.vllm.kv_groups import single_group
     from kvtier_client.integrations.vllm.kv_views import GroupViews
     from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice
+    from vllm_steps import scheduler_output, worker_hooks
 
     torch.manual_seed(0)
     ids = itertools.count()
@@ -82,19 +83,11 @@ def shapes(target: str) -> dict:
             request.num_computed_tokens = local + (external or 0)
             scheduler.update_state_after_alloc(request, None, external or 0)
             left = len(prompt) - request.num_computed_tokens
-            meta = scheduler.build_connector_meta(SchedulerOutput(
-                scheduled_new_reqs=[NewRequestData.from_request(request, (blocks,))],
-                scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={request.request_id: left},
-                total_num_scheduled_tokens=left, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                finished_req_ids=set(), free_encoder_mm_hashes=[]))
+            meta = scheduler.build_connector_meta(
+                scheduler_output({request.request_id: left}, [NewRequestData.from_request(request, (blocks,))]))
             reports = []
             for rank, (worker, _) in enumerate(self.workers):
-                with torch.inference_mode():
-                    worker.start_step()
-                    worker.start_load_kv(meta)
-                    for name in LAYER_NAMES:
-                        worker.save_kv_layer(name, meta)
-                    worker.wait_for_save(meta)
+                worker_hooks(worker, meta, LAYER_NAMES)
                 report = worker.build_connector_worker_meta()
                 if report is not None and (reporting is None or rank in reporting):
                     reports.append(report)
