@@ -208,7 +208,7 @@ def dedupe(target: str) -> dict:
 def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype: str, repeat: int) -> dict:
     import torch
 
-    from kvtier_client.integrations.vllm.worker import CopyThreads, load_pages, save_layer
+    from kvtier_client.integrations.vllm.copies import CopyThreads, load_pages, save_layer
 
     dt = getattr(torch, dtype)
     num_blocks = 4 * pages

@@ -77,11 +77,13 @@ The package, one module per concern (vLLM loads one connector class and tells it
     extra_keys.py multimodal inputs as block-key extras
     link.py       DaemonLink: a registered client, and the gate that skips an unreachable daemon
     metadata.py   LoadOp, SaveOp and the per-step messages between the roles
+    request_state.py   what the scheduler knows of a request, and the salt of its keys
     scheduler.py  KVTierScheduler: lookups, load planning, metadata building
     saves.py      saves in flight: borrowed pages, committed once every worker wrote its part
     events.py     the BlockStored events of the blocks kvtier took
     kv_views.py   per group, vLLM's KV tensors as views shaped like a worker's part of a page
-    worker.py     KVTierWorker: the copies, foreground and background loads, reports
+    worker.py     KVTierWorker: foreground and background loads, saves, reports
+    copies.py     the CPU copies (batched, split over torch's threads)
     stats.py      KVTierConnectorStats and its Prometheus counters
 
 Every vLLM import of the project happens in this package, so the rest of kvtier_client does
@@ -112,7 +114,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
 from kvtier_client.integrations.vllm.config import ConnectorConfig, default_namespace
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
-from kvtier_client.integrations.vllm.scheduler import KVTierScheduler, request_salt
+from kvtier_client.integrations.vllm.request_state import request_salt
+from kvtier_client.integrations.vllm.scheduler import KVTierScheduler
 from kvtier_client.integrations.vllm.kv_groups import KVGroup, kv_groups
 from kvtier_client.integrations.vllm.kv_views import GroupViews
 from kvtier_client.integrations.vllm.shapes import ParallelShape, WorkerSlice

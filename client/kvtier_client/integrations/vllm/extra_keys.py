@@ -21,7 +21,7 @@ def block_extras(request: Request, block_size: int) -> list[list[bytes]] | None:
     """Per full prompt block, vLLM's extra keys as bytes (their repr: strings, ints and
     bytes, stable across processes); None when no block has any beyond the LoRA adapter
     and cache salt, which the connector puts in the key's salt already
-    (scheduler.request_salt)."""
+    (request_state.request_salt)."""
     if not request.mm_features and getattr(request, "prompt_embeds", None) is None:
         return None
     extras: list[list[bytes]] = []

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -52,6 +51,7 @@ from kvtier_client.integrations.vllm.metadata import (
     LoadOp,
     SaveOp,
 )
+from kvtier_client.integrations.vllm.request_state import RequestState, request_salt
 from kvtier_client.integrations.vllm.saves import SaveEnd, Saves, SentSave
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
 from kvtier_client.keys import BlockKey
@@ -72,46 +72,6 @@ _TIER_SOURCES = {
 }
 #: vLLM's null block: a block table's placeholder for a block a window group has dropped.
 NULL_BLOCK = 0
-
-
-@dataclass
-class _RequestState:
-    request: Request
-    group_keys: list[list[BlockKey]]  # per KV cache group (kv_groups.KVGroup.salt differs)
-    prompt_tokens: int
-    kvtier_blocks: int = 0  # leading blocks kvtier held at the last lookup
-    found: tuple[int, int] = (0, 0)  # at the last lookup: cached blocks beyond vLLM's hit, of which to load
-    candidate: tuple[int, int, int] | None = None  # (vLLM's computed tokens, end page, external tokens) offered
-    candidate_tiers: tuple[Tier, ...] = ()
-    candidate_async: bool = False  # the candidate load runs in the background (async_loads)
-    local_blocks: int = 0  # vLLM blocks its own prefix cache served at the last lookup (not loaded again)
-    load: tuple[int, int] | None = None  # blocks to load in the next step
-    load_tiers: tuple[Tier, ...] = ()
-    load_needs: tuple[range, ...] = ()
-    block_ids: list[list[int]] = field(default_factory=list)  # per group
-    save_upto: int = 0  # blocks before this one are in kvtier, in vLLM's cache, or already sent to be stored
-    storing: list[BlockKey] = field(default_factory=list)  # keys this request put in Saves.storing
-    loaded_tokens: int = 0
-    stored_blocks: int = 0
-    plan_reason: str = ""
-    epoch: bytes = b""  # the scheduler's key epoch when the keys were made (reset_cache)
-    load_failed: bool = False  # a background load of it failed: it is recomputed, not loaded again
-
-    @property
-    def keys(self) -> list[BlockKey]:
-        """The first group's keys: they name the request's blocks (one chain per prompt)."""
-        return self.group_keys[0]
-
-
-def request_salt(base: bytes, request: Request) -> bytes:
-    """The block-key salt of a request: the configured salt, vLLM's per-request cache_salt
-    and the LoRA adapter (name, id and path), each length-prefixed so no two combinations
-    collide."""
-    parts = [base, (request.cache_salt or "").encode()]
-    lora = getattr(request, "lora_request", None)
-    parts.append(f"{lora.lora_name}:{lora.lora_int_id}:{getattr(lora, 'lora_path', '')}".encode()
-                 if lora is not None else b"")
-    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
 
 
 class KVTierScheduler:
@@ -144,7 +104,7 @@ class KVTierScheduler:
         self.saves = Saves(links, frozenset(range(workers)))
         self.events = events
         self.planner = Planner(self.kv) if config.use_planner else None
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
@@ -153,7 +113,7 @@ class KVTierScheduler:
         self.weights = weights
         self._epoch = b""
 
-    def _state(self, request: Request) -> _RequestState | None:
+    def _state(self, request: Request) -> RequestState | None:
         state = self._requests.get(request.request_id)
         if state is not None and state.epoch != self._epoch and state.load is None:
             self._renew(state)  # keys from before a reset_cache: never load or store under them
@@ -161,7 +121,7 @@ class KVTierScheduler:
             return state
         if request.prompt_token_ids is None:
             return None  # prompt embeddings only: no token ids to name the KV by
-        state = _RequestState(request, self._keys(request), len(request.prompt_token_ids), epoch=self._epoch)
+        state = RequestState(request, self._keys(request), len(request.prompt_token_ids), epoch=self._epoch)
         self._requests[request.request_id] = state
         return state
 
@@ -171,7 +131,7 @@ class KVTierScheduler:
         extras = block_extras(request, self.page)
         return [self.kv.block_keys(request.prompt_token_ids, salt=salt + g.salt, extras=extras) for g in self.groups]
 
-    def _renew(self, state: _RequestState) -> None:
+    def _renew(self, state: RequestState) -> None:
         """A request that outlived a reset_cache (vLLM preempts running requests when it
         resets) starts over in the new epoch: new keys, nothing of it known to be stored."""
         self.saves.unmark(state.storing, state.request.request_id)
@@ -238,7 +198,7 @@ class KVTierScheduler:
             return mode == "always"
         return len(self.groups) > 1 or any(t >= Tier.DISK for t in tiers)
 
-    def _lookup(self, state: _RequestState) -> tuple[int, tuple[Tier, ...]]:
+    def _lookup(self, state: RequestState) -> tuple[int, tuple[Tier, ...]]:
         """How many leading blocks kvtier can restore, and the tier each must be loaded
         from: for several groups (or a window), in one group lookup, the slowest tier among
         the groups that need the block (HOST where none does: nothing to load)."""
@@ -328,7 +288,7 @@ class KVTierScheduler:
         """A request's vLLM block ids, one list per KV cache group."""
         return [list(ids) for ids in block_ids] if block_ids else [[] for _ in self.groups]
 
-    def _skip_computed(self, state: _RequestState, computed: int) -> None:
+    def _skip_computed(self, state: RequestState, computed: int) -> None:
         """A request just (re)scheduled starts with `computed` tokens: vLLM's prefix-cache hit and
         kvtier's load. Neither is stored again: the loaded blocks are kvtier's, and the request
         that put the others in vLLM's cache computed and stored them."""
@@ -337,7 +297,7 @@ class KVTierScheduler:
             self._stats.add(skipped_store_blocks=served - state.save_upto)
             state.save_upto = served
 
-    def _plan_step(self, state: _RequestState, req_id: str, computed: int, scheduled: int,
+    def _plan_step(self, state: RequestState, req_id: str, computed: int, scheduled: int,
                    meta: KVTierConnectorMetadata) -> None:
         if computed < state.prompt_tokens:
             meta.prefill_tokens += min(scheduled, state.prompt_tokens - computed)
@@ -360,7 +320,7 @@ class KVTierScheduler:
         state.save_upto = full
         self._add_saves(state, req_id, first, full, computed, meta)
 
-    def _add_loads(self, state: _RequestState, req_id: str, start: int, end: int,
+    def _add_loads(self, state: RequestState, req_id: str, start: int, end: int,
                    meta: KVTierConnectorMetadata, *, background: bool = False) -> None:
         """LoadOps for pages [start, end) of the request: per group, those a restore to `end`
         needs (all of them for full attention, the trailing window for a window), as the
@@ -374,7 +334,7 @@ class KVTierScheduler:
             if any(b != SKIP for b in blocks):
                 meta.loads.append(LoadOp(req_id, blocks, [keys[p] for p in pages], g, background))
 
-    def _add_saves(self, state: _RequestState, req_id: str, first: int, full: int, computed: int,
+    def _add_saves(self, state: RequestState, req_id: str, first: int, full: int, computed: int,
                    meta: KVTierConnectorMetadata) -> None:
         """SaveOps for prompt pages [first, full), one per group, into pages borrowed now:
         every group's or none. A window group whose blocks vLLM may have freed (behind its
