@@ -10,6 +10,7 @@ blocks) and stores P2; a TP=2 engine then finds P2 in the pages TP=1 wrote.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -20,6 +21,18 @@ from vllm_engines import ENGINE_TIMEOUT, assert_same_outputs, needs_vllm, run_en
 BLOCK = 32  # vllm_engine_run.py BLOCK_SIZE
 
 pytestmark = [needs_vllm, pytest.mark.timeout(5 * ENGINE_TIMEOUT)]
+SHM = "/dev/shm"
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_shm_left():
+    """vLLM's CPU tensor-parallel runs leave their shared-memory files (vllm_dist_*) behind
+    when their processes exit; remove those a test's engines made."""
+    before = set(os.listdir(SHM))
+    yield
+    for name in set(os.listdir(SHM)) - before:
+        if name.startswith("vllm_dist_"):
+            os.unlink(os.path.join(SHM, name))
 
 
 def _words(rng: random.Random, n: int) -> str:
