@@ -61,6 +61,22 @@ def _as_str(extra: dict[str, Any], key: str, default: str | None = None) -> str 
     return value
 
 
+def _as_choice(extra: dict[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    """A string key that must be one of `choices` (the first is the default)."""
+    value = _as_str(extra, key, choices[0])
+    if value not in choices:
+        raise ValueError(f"kvtier connector: {key} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _as_tokens(extra: dict[str, Any], key: str, minimum: int) -> int | None:
+    """An optional whole number of tokens >= `minimum` (None when the key is absent)."""
+    value = extra.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"kvtier connector: {key} must be a whole number of tokens >= {minimum}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """What `kv_connector_extra_config` asked for, checked (see the package docstring)."""
@@ -122,29 +138,14 @@ class ConnectorConfig:
         timeout = extra.get("connect_timeout", 10.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"kvtier connector: connect_timeout must be positive seconds, got {timeout!r}")
-        kv_format = _as_str(extra, "kv_cache_format", "auto")
-        if kv_format not in KV_CACHE_FORMATS:
-            raise ValueError(f"kvtier connector: kv_cache_format must be one of {KV_CACHE_FORMATS}, got {kv_format!r}")
-        async_loads = _as_str(extra, "async_loads", "auto")
-        if async_loads not in ASYNC_LOADS:
-            raise ValueError(f"kvtier connector: async_loads must be one of {ASYNC_LOADS}, got {async_loads!r}")
-        max_load = extra.get("max_load_tokens")
-        if max_load is not None and (isinstance(max_load, bool) or not isinstance(max_load, int) or max_load < 0):
-            raise ValueError(f"kvtier connector: max_load_tokens must be a whole number of tokens >= 0, got {max_load!r}")
-        page_tokens = extra.get("page_tokens")
-        if page_tokens is not None and (isinstance(page_tokens, bool) or not isinstance(page_tokens, int)
-                                        or page_tokens <= 0):
-            raise ValueError(f"kvtier connector: page_tokens must be a positive number of tokens (a multiple of "
-                             f"vLLM's block size), got {page_tokens!r}")
-        on_reset = _as_str(extra, "on_reset", "new_epoch")
-        if on_reset not in ON_RESET:
-            raise ValueError(f"kvtier connector: on_reset must be one of {ON_RESET}, got {on_reset!r}")
         return cls(
             target=target, namespace=namespace, salt=salt.encode(), token=token, tls=tls,
             insecure=_as_bool(extra, "insecure", False), use_planner=_as_bool(extra, "planner", True),
-            prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout), kv_cache_format=kv_format,
-            async_loads=async_loads, max_load_tokens=max_load, on_reset=on_reset,
-            page_tokens=page_tokens,
+            prefetch=_as_bool(extra, "prefetch", True), connect_timeout=float(timeout),
+            kv_cache_format=_as_choice(extra, "kv_cache_format", KV_CACHE_FORMATS),
+            async_loads=_as_choice(extra, "async_loads", ASYNC_LOADS),
+            max_load_tokens=_as_tokens(extra, "max_load_tokens", 0), on_reset=_as_choice(extra, "on_reset", ON_RESET),
+            page_tokens=_as_tokens(extra, "page_tokens", 1),  # a multiple of vLLM's block (kv_groups checks)
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:
