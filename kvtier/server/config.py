@@ -25,7 +25,7 @@ from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.mechanism.seal import Sealer
 from kvtier.policy import AdmissionName, PolicyName
 from kvtier.policy.admission import DEFAULT_THRESHOLD
-from kvtier.units import parse_size
+from kvtier.units import parse_duration, parse_size
 
 try:
     import tomllib
@@ -171,14 +171,11 @@ _SECTIONS: dict[str, type] = {
 
 # -- value kinds ----------------------------------------------------------------
 def parse_seconds(text: str | float, key: str, *, zero: bool = False) -> float:
-    """'5s', '500ms', '2', 2.5 -> seconds (0 only with `zero`)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m)?\s*", str(text))
-        if not m:
-            raise ConfigError(f"{key}: cannot read {text!r} as a duration; write e.g. 5s or 500ms")
-        value = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+    """'5s', '500ms', '1h30m', '2', 2.5 -> seconds (0 only with `zero`); kvtier.units.parse_duration reads it."""
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
     if value < 0 or (value == 0 and not zero):
         raise ConfigError(f"{key}: duration must be positive{' or 0' if zero else ''}")
     return value
