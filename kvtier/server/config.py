@@ -100,6 +100,7 @@ class TiersConfig:
     max_pools: int
     history_size: int  # departed blocks each pool remembers, all namespaces together (kvtier.core.history)
     warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
+    keeper_socket: str  # a standalone arena keeper (kvtier keeper) to use instead of spawning one; "" = spawn
     seal_key_file: str  # "" = seals are unkeyed checksums (kvtier.mechanism.seal); a secret file = keyed MACs
 
 
@@ -349,6 +350,8 @@ OPTIONS: tuple[Option, ...] = (
            "say why a key missed; ~256 B each.", metavar="N"),
     Option("warm_restart_window", "tiers", DURATION_OR_ZERO, "5m",
            "How long the arena keeper holds a crashed daemon's host pages for its successor (0 = a crash loses them)."),
+    Option("keeper_socket", "tiers", PATH, "", "Socket of a standalone arena keeper (kvtier keeper, e.g. a sidecar "
+           "container) to use instead of spawning one; its --window then applies.", shown="none: spawn one"),
     Option("seal_key_file", "tiers", PATH, "", "Secret (>= 16 bytes, mode 0600) that seals disk and cluster pages "
            "to their key with a keyed MAC; shared by every node of a cluster.", shown="none"),
     Option("cluster", "cluster", TEXT, "", "Cluster tier below disk, shared by nodes: redis://[USER[:PASSWORD]@]HOST:PORT,"
