@@ -57,6 +57,18 @@ def reply_limit(config: DaemonConfig) -> int:
     return max(MAX_REQUEST_BYTES, min(config.tiers.host_size, MAX_MESSAGE_BYTES) + PAGE_ENVELOPE_BYTES)
 
 
+def open_keeper(config: DaemonConfig) -> KeeperClient | None:
+    """The arena keeper this daemon hands its host memory to: the standalone one at
+    `keeper_socket` (None if it does not answer: no warm restart), else one it spawns (or a
+    crashed predecessor left), unless `warm_restart_window` is 0."""
+    tiers, owner = config.tiers, config.listen.socket
+    if tiers.keeper_socket:
+        return KeeperClient.connect_external(os.path.abspath(tiers.keeper_socket), owner)
+    if tiers.warm_restart_window > 0:
+        return KeeperClient.connect_or_start(keeper_path(tiers.cache_dir, owner), tiers.warm_restart_window, owner)
+    return None
+
+
 class HealthService(health.HealthServicer):
     """grpc's health servicer, answering List too, and watching only the services the daemon
     reports on: grpc's Watch keeps an entry for every name ever asked for, which a caller
@@ -95,9 +107,7 @@ class Daemon:
             raise ConfigError(f"events: {exc}") from None
         if self.events is not None:
             self.metrics.watch_events(self.events.stats)
-        window = config.tiers.warm_restart_window
-        keeper = (KeeperClient.connect_or_start(keeper_path(config.tiers.cache_dir, config.listen.socket), window)
-                  if window > 0 else None)
+        keeper = open_keeper(config)
         self.pools = PoolRegistry(config.tiers, observer=self.metrics.observe_load, keeper=keeper,
                                   cluster=config.cluster, cluster_observer=self.metrics.observe_cluster,
                                   events=self.events)
