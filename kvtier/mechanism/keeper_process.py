@@ -1,5 +1,11 @@
-"""The arena keeper process (started as `python -m kvtier.mechanism.keeper`; what it is
-for: kvtier.mechanism.keeper). It trusts its own uid and root, as the daemon does: such a
+"""The arena keeper process (what it is for: kvtier.mechanism.keeper). Spawned by a daemon
+(`python -m kvtier.mechanism.keeper`), it serves that daemon and its successor and exits
+when neither needs it. Standalone (`kvtier keeper`, a container of its own next to the
+daemon's), it serves daemons one after another for as long as it runs: a crashed daemon's
+files are kept for the window, then freed; a clean stop (`clear`) frees them at once; it
+ends on SIGTERM. Both end cleanly on SIGTERM or SIGINT (socket removed, files freed).
+
+It trusts its own uid and root, as the daemon does: such a
 process can take every namespace's memory, or end the keeper (docs/security.md). What it
 does not trust is that such a process speaks the protocol. Each connection is one
 *conversation*, served by one event loop in one thread that never blocks on a peer:
@@ -12,8 +18,12 @@ does not trust is that such a process speaks the protocol. Each connection is on
 - at most `_CONVERSATIONS` are open at once (more wait in the listen backlog), at most
   `_HOLDERS` of them daemons', and at most `_FILES` files are kept.
 
+A keeper keeps one daemon's files: a hold that names another daemon (`owner`, its socket
+path) frees them and lets go of the daemon that kept them, so no daemon adopts another's
+pages.
+
 So no peer ends the keeper or loses a file it keeps, other than by asking for it (`exit`,
-`drop`, a `keep` of the same name) or by a signal; and none delays a daemon's start, unless
+`clear`, `drop`, a `keep` of the same name, a hold as another daemon) or by a signal; and none delays a daemon's start, unless
 `_CONVERSATIONS` are silent at once (then by a second for each such crowd ahead of it).
 """
 from __future__ import annotations
@@ -22,6 +32,7 @@ import logging
 import os
 import resource
 import selectors
+import signal
 import socket
 import sys
 import time
@@ -65,7 +76,7 @@ class _Conversation:
     heard: float  # the last request, or reply taken
     holder: bool = False
     answered: bool = False  # not a holder, and its one request is in: hang up once its replies are out
-    replies: deque[str | None] = field(default_factory=deque)  # names still to list; None: the end
+    replies: deque[str | dict] = field(default_factory=deque)  # names still to list, or whole messages
 
     def deadline(self) -> float | None:
         if self.holder:
@@ -78,16 +89,21 @@ class _Conversation:
 
 
 class _Stop(Exception):
-    """An `exit` request."""
+    """An `exit` request, or SIGTERM."""
+
+
+_END = {"end": True}  # a listing's last message
 
 
 class Keeper:
     """The keeper process: one event loop over the listener and every conversation."""
 
-    def __init__(self, path: str, linger: float) -> None:
+    def __init__(self, path: str, linger: float, *, standalone: bool = False) -> None:
         self.path = path
         self.linger = linger
+        self.standalone = standalone  # serves daemons one after another until SIGTERM
         self.files: dict[str, tuple[dict, int]] = {}  # name -> (meta, descriptor)
+        self.owner = ""  # the daemon whose files these are (its socket path); "" = none named
         self.talks: dict[socket.socket, _Conversation] = {}
         self.held = False  # a daemon has held us (so its going starts the linger)
         self.alone_since = time.monotonic()  # since when no daemon holds us
@@ -110,9 +126,13 @@ class Keeper:
         bound = os.stat(self.path).st_ino
         listener.listen(_CONVERSATIONS)
         listener.setblocking(False)
+        signalled = self._wake_on_signals()
         try:
             while (timeout := self._tick()) is not False:
                 for key, events in self._selector.select(timeout):
+                    if key.fileobj == signalled:
+                        log.info("signalled: freeing %d kept files and exiting", len(self.files))
+                        raise _Stop
                     if key.fileobj is listener:
                         self._accept()
                     elif key.fileobj in self.talks:  # not hung up by an earlier event of this round
@@ -126,11 +146,20 @@ class Keeper:
             except FileNotFoundError:
                 pass
             listener.close()
-            close_all([fd for _, fd in self.files.values()])
-            self.files.clear()
+            self._free_all()
             for talk in list(self.talks.values()):
                 talk.sock.close()
             self._selector.close()
+
+    def _wake_on_signals(self) -> int:
+        """SIGTERM and SIGINT written to a pipe the event loop watches (a Python handler
+        alone would run only once select() returns): the descriptor to watch."""
+        readable, writable = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(writable)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        self._selector.register(readable, selectors.EVENT_READ)
+        return readable
 
     def _raise_file_limit(self) -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -148,13 +177,22 @@ class Keeper:
             self._hang_up(talk)
         deadlines = [d for t in self.talks.values() if (d := t.deadline()) is not None]
         if not any(t.holder for t in self.talks.values()):
-            if self.held and not self.files:
-                return False  # the daemon went, leaving nothing to keep
-            end = self.alone_since + (self.linger if self.held else _FIRST_HOLD)
-            if now >= end:
-                log.warning("no daemon came back for %.0f s: freeing %d kept files", end - self.alone_since, len(self.files))
-                return False
-            deadlines.append(end)
+            if not self.files and (self.held or self.standalone):
+                if not self.standalone:
+                    return False  # the daemon went, leaving nothing to keep
+                self.held = False
+            else:
+                end = self.alone_since + (self.linger if self.held or self.standalone else _FIRST_HOLD)
+                if now < end:
+                    deadlines.append(end)
+                elif not self.standalone:
+                    log.warning("no daemon came back for %.0f s: freeing %d kept files", end - self.alone_since, len(self.files))
+                    return False
+                else:
+                    log.warning("no daemon came back for %.0f s: freed %d kept files; waiting for the next daemon",
+                                end - self.alone_since, len(self.files))
+                    self._free_all()
+                    self.held = False
         listen = len(self.talks) < _CONVERSATIONS and now >= self._deaf_until
         if now < self._deaf_until:
             deadlines.append(self._deaf_until)
@@ -229,13 +267,25 @@ class Keeper:
 
     def _do(self, talk: _Conversation, request: Request) -> None:
         if request.op is Op.EXIT:
-            raise _Stop
-        if request.op is Op.LIST:
-            if talk.holder:
-                self._refuse(talk, "a daemon's conversation lists once, at its start")
+            if self.standalone:
+                self._refuse(talk, "a standalone keeper ends on SIGTERM, not on request (clear frees what it keeps)")
                 return
+            raise _Stop
+        if request.op in (Op.LIST, Op.STATUS) and talk.holder:
+            self._refuse(talk, f"a daemon's conversation asks no {request.op.value} (it lists once, at its start)")
+            return
+        if request.op is Op.STATUS:
+            talk.replies.append({"files": len(self.files), "held": any(t.holder for t in self.talks.values())})
+        elif request.op is Op.CLEAR:
+            if self.files:
+                log.info("freeing %d kept files as asked (pid %d)", len(self.files), talk.pid)
+            self._free_all()
+            self._hang_up(talk)  # the daemon waits for this: everything is freed by then
+        elif request.op is Op.LIST:
+            if request.hold:
+                self._claim(talk, request.owner)
             talk.replies.extend(self.files)
-            talk.replies.append(None)
+            talk.replies.append(_END)
             if request.hold:
                 self._hold(talk)
         elif request.op is Op.KEEP:
@@ -252,6 +302,25 @@ class Keeper:
             if old is not None:
                 os.close(old[1])
 
+    def _claim(self, talk: _Conversation, owner: str) -> None:
+        """Before a daemon named `owner` holds: files kept for a daemon of another name are
+        freed, and the daemons holding for it let go, rather than handed over."""
+        if not owner or owner == self.owner:
+            return
+        others = [t for t in self.talks.values() if t.holder and t is not talk]
+        if self.owner and (self.files or others):
+            log.warning("the daemon of %s holds the keeper: freeing the %d files kept for the daemon of %s",
+                        owner, len(self.files), self.owner)
+            for other in others:
+                self._hang_up(other)
+            self._free_all()
+        self.owner = owner
+
+    def _free_all(self) -> None:
+        close_all([fd for _, fd in self.files.values()])
+        self.files.clear()
+        self.owner = ""
+
     def _hold(self, talk: _Conversation) -> None:
         talk.holder, self.held = True, True
         holders = [t for t in self.talks.values() if t.holder]
@@ -265,13 +334,13 @@ class Keeper:
         """Send what fits of a listing; the rest when the peer has read some. A file
         dropped meanwhile is left out."""
         while talk.replies:
-            name = talk.replies[0]
-            entry = self.files.get(name) if name is not None else None
+            reply = talk.replies[0]
+            entry = self.files.get(reply) if isinstance(reply, str) else None
             try:
-                if name is None:
-                    send(talk.sock, {"end": True})
+                if isinstance(reply, dict):
+                    send(talk.sock, reply)
                 elif entry is not None:
-                    send(talk.sock, {"name": name, "meta": entry[0]}, entry[1])
+                    send(talk.sock, {"name": reply, "meta": entry[0]}, entry[1])
             except BlockingIOError:
                 return
             talk.replies.popleft()

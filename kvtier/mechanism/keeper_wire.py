@@ -7,14 +7,19 @@ a message is whole or refused (SOCK_SEQPACKET never splits one; the kernel cuts 
 and says so), every field has its type and bound, and the caller closes any descriptor that
 came with a message that wants none.
 
-    {"op": "list", "hold": bool}            -> {"name", "meta"} + fd per entry, then {"end": true}
+    {"op": "list", "hold": bool, "owner": str}
+                                            -> {"name", "meta"} + fd per entry, then {"end": true}
     {"op": "keep", "name", "meta"} + fd        hold it (replacing one of that name)
     {"op": "drop", "name"}                     close it
-    {"op": "exit"}                             close all and exit
+    {"op": "clear"}                            close all, then hang up (a daemon's clean stop)
+    {"op": "status"}                        -> {"files": int, "held": bool} (a probe)
+    {"op": "exit"}                             close all and exit (a standalone keeper refuses it)
     a refused request                       -> {"error": "what was wrong"}, then the keeper hangs up
 
 `hold` is what a daemon sends: it makes the connection the daemon's (kept open; its hang-up
-starts the keeper's linger). A keeper from before `hold` answers the `list` all the same.
+starts the keeper's linger). `owner` names the daemon (its socket path): a keeper keeps one
+daemon's files, and frees them rather than hand them to a daemon of another socket. A keeper
+from before `hold` answers the `list` all the same.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ MESSAGE_BYTES = 64 * 1024
 NAME_CHARS = 512
 #: A kept file's meta (a layout, or a namespace's name: 255 bytes, escaped), as JSON.
 META_BYTES = 2048
+#: A daemon's name for itself (its socket path: PATH_MAX).
+OWNER_CHARS = 4096
 
 _FD_ROOM = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor (the kernel fits two)
 
@@ -44,14 +51,18 @@ class Op(enum.Enum):
     LIST = "list"
     KEEP = "keep"
     DROP = "drop"
+    CLEAR = "clear"
+    STATUS = "status"
     EXIT = "exit"
 
 
 #: The fields each request may carry besides "op", and which of them it must.
 _FIELDS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {
-    Op.LIST: (frozenset({"hold"}), frozenset()),
+    Op.LIST: (frozenset({"hold", "owner"}), frozenset()),
     Op.KEEP: (frozenset({"name", "meta"}), frozenset({"name", "meta"})),
     Op.DROP: (frozenset({"name"}), frozenset({"name"})),
+    Op.CLEAR: (frozenset(), frozenset()),
+    Op.STATUS: (frozenset(), frozenset()),
     Op.EXIT: (frozenset(), frozenset()),
 }
 
@@ -68,6 +79,7 @@ class Request:
     name: str = ""
     meta: dict | None = None
     hold: bool = False
+    owner: str = ""  # list: the daemon that holds ("" = unnamed)
     fd: int | None = None
 
 
@@ -141,10 +153,14 @@ def parse_request(data: bytes, fds: list[int], flags: int) -> Request:
         return Request(op, _name(message), _meta(message["meta"]), fd=fds[0])
     if op is Op.DROP:
         return Request(op, _name(message))
-    hold = message.get("hold", False)
+    if op is not Op.LIST:
+        return Request(op)
+    hold, owner = message.get("hold", False), message.get("owner", "")
     if not isinstance(hold, bool):
         raise BadMessage(f"hold must be true or false, not {_show(hold)}")
-    return Request(op, hold=hold)
+    if not isinstance(owner, str) or len(owner) > OWNER_CHARS:
+        raise BadMessage(f"owner must be a string of at most {OWNER_CHARS} characters, not {_show(owner)}")
+    return Request(op, hold=hold, owner=owner)
 
 
 def parse_entry(data: bytes, fds: list[int]) -> KeptFile | None:
