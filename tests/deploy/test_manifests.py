@@ -50,7 +50,7 @@ HELM_VALUES = {
     "helm-production": {"replicas": 2, "gpu": {"enabled": True, "deviceSizeGiB": 8},
                         "tokens": {"enabled": True}, "metrics": {"podMonitor": {"enabled": True}},
                         "kvtier": {"hostSizeGiB": 48, "diskSizeGiB": 1024, "maxPools": 2,
-                                   "policy": "lru", "drainTimeoutSeconds": 60}},
+                                   "drainTimeoutSeconds": 60}, "config": {"policy": "lru"}},
 }
 ALL_VARIANTS = list(VARIANTS) + list(HELM_VALUES)
 GPU = {"gpu", "production", "helm-gpu", "helm-production"}
@@ -255,9 +255,10 @@ def check_cache_per_pod(docs) -> None:
     else:
         # A node directory shared by every pod there: each pod must get its own subdirectory.
         assert "hostPath" in vol or "persistentVolumeClaim" in vol, vol
-        assert m.get("subPathExpr") == "$(POD_NAME)", "the cache path must include the pod's name"
+        var = re.fullmatch(r"\$\((\w+)\)", m.get("subPathExpr", ""))
+        assert var, "the cache path must include the pod's name"
         env = {e["name"]: e for e in c.get("env", [])}
-        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env[var.group(1)]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     # No other pod-shared volume is mounted anywhere under the cache directory.
     for other in c.get("volumeMounts", []):
         if other is not m and other["mountPath"].startswith(cache_dir.rstrip("/") + "/"):
@@ -454,7 +455,8 @@ def test_gpu(variant):
     # One DRA claim per pod, named by both containers: they see the same GPU.
     template = one(docs, "ResourceClaimTemplate")
     assert template["apiVersion"].startswith("resource.k8s.io/")
-    assert template["spec"]["spec"]["devices"]["requests"][0]["deviceClassName"] == "gpu.nvidia.com"
+    request = template["spec"]["spec"]["devices"]["requests"][0]
+    assert request.get("exactly", request)["deviceClassName"] == "gpu.nvidia.com"  # v1 nests it under exactly
     (claim,) = spec["resourceClaims"]
     assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]
     for name in ("kvtier", "engine"):
