@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/setup_vllm.sh   # .venv-vllm for the vLLM connector's end-to-end test (a few minutes, once)
 scripts/gen_proto.sh --check
+.venv/bin/python scripts/gen_values_schema.py --check   # deploy/helm/kvtier/values.schema.json
 exec .venv/bin/python -m pytest -q "$@"
