@@ -2,10 +2,18 @@
 scripts/build_images.sh that always run, and a real build of the CPU image with a client on
 the host doing a round trip through the socket directory it shares with the container.
 
-The real test builds for minutes, so it runs only with KVTIER_TEST_IMAGES=1 and a working
-engine (docker with a daemon, or podman). BASE_IMAGE picks the CPU image's base where
-debian:bookworm-slim cannot be pulled (e.g. a local debootstrap import, see
-deploy/images/README.md); KVTIER_ENGINE picks the engine.
+The real tests build for minutes, so they run only with KVTIER_TEST_IMAGES=1 and a working
+engine (docker with a daemon, or podman; the pod test podman only). BASE_IMAGE picks the CPU
+image's base where debian:bookworm-slim cannot be pulled (e.g. a local debootstrap import,
+see deploy/images/README.md); KVTIER_ENGINE picks the engine.
+
+The pod test is warm restart as Kubernetes runs it: a pod with the arena keeper in a
+container of its own (`kvtier keeper`) next to the daemon's, sharing the keeper's socket
+volume; a client on the host writes pages, the daemon container is killed and a new one
+started in the pod: every page is still a hit with its bytes. The same without the keeper
+container (the daemon spawns its keeper inside its own container, which the kill ends) is
+the baseline: every page a miss. It prints pages kept / written and the seconds from each
+new container's start to SERVING.
 """
 from __future__ import annotations
 
@@ -21,7 +29,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "deploy" / "images"
@@ -271,18 +281,27 @@ def _inspect(engine: str, image: str) -> dict:
     return json.loads(out.stdout)[0]
 
 
-@pytest.mark.skipif(os.environ.get("KVTIER_TEST_IMAGES") != "1", reason="set KVTIER_TEST_IMAGES=1 (builds for minutes)")
-def test_cpu_image_serves_a_client_on_the_host(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_image() -> tuple[str, str]:
+    """(engine, image): the CPU image built from this checkout once for the module's real
+    tests, removed after them."""
+    if os.environ.get("KVTIER_TEST_IMAGES") != "1":
+        pytest.skip("set KVTIER_TEST_IMAGES=1 (builds for minutes)")
     engine = _engine()
     if engine is None:
         pytest.skip("no working container engine (docker with a daemon, or podman)")
     if os.geteuid() != 0:
         pytest.skip("the host client needs root here (or membership of group 2000) to reach the socket")
     tag = f"test-{uuid.uuid4().hex[:8]}"
-    image = f"kvtier:{tag}"
     env = dict(os.environ, KVTIER_ENGINE=engine, KVTIER_TAG=tag)
     subprocess.run([str(BUILD_SCRIPT), "cpu"], cwd=ROOT, env=env, check=True, timeout=1800)
-    name = f"kvtier-test-{tag}"
+    yield engine, f"kvtier:{tag}"
+    subprocess.run([engine, "rmi", f"kvtier:{tag}"], capture_output=True, timeout=120)
+
+
+def test_cpu_image_serves_a_client_on_the_host(tmp_path, cpu_image):
+    engine, image = cpu_image
+    name = f"kvtier-test-{uuid.uuid4().hex[:8]}"
     try:
         inspected = _inspect(engine, image)
         config = inspected["Config"]
@@ -335,4 +354,172 @@ def test_cpu_image_serves_a_client_on_the_host(tmp_path):
         logs = subprocess.run([engine, "logs", name], capture_output=True, text=True)
         print(logs.stdout, logs.stderr)
         subprocess.run([engine, "rm", "-f", name], capture_output=True, timeout=60)
-        subprocess.run([engine, "rmi", image], capture_output=True, timeout=120)
+
+
+# -- warm restart in a pod: the arena keeper in a container of its own ----------------------
+PAGES = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from kvtier_client import KVTierClient, PageLayout
+
+    layout = PageLayout(layers=4, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
+    sock, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    data = np.random.default_rng(11).standard_normal((count, *layout.shape)).astype(np.float16)
+    with KVTierClient("unix://" + sock, name="pod test") as kv:
+        kv.register("pod/model", layout)
+        keys = [kv.block_keys([i] * layout.block_tokens)[0] for i in range(count)]  # independent one-page prefixes
+        if mode == "write":
+            for first in range(0, count, 128):
+                with kv.borrow(len(keys[first:first + 128])) as lease:
+                    for page, values in zip(lease.pages, data[first:first + 128]):
+                        page[...] = values
+                    lease.commit(keys[first:first + 128])
+            print(json.dumps({"written": count}))
+        else:
+            hits = equal = 0
+            for key, values in zip(keys, data):
+                if kv.lookup([key]).hit_blocks:
+                    hits += 1
+                    with kv.acquire([key]) as read:
+                        equal += read.ready == 1 and np.array_equal(read.pages[0].view(np.uint8), values.view(np.uint8))
+            print(json.dumps({"hits": hits, "equal": equal}))
+""")
+KEEPER_DIR = "/run/kvtier-keeper"  # the pod's `keeper` emptyDir, as deploy/ mounts it
+KEEPER_SOCKET = f"{KEEPER_DIR}/keeper.sock"
+POD_PAGES = 1024  # 32 KiB each: 32 MiB of a 64 MiB host tier
+
+
+def _shared_dir(path: Path) -> Path:
+    """A volume of the pod, owned as the image makes its directories (10001:2000, 2770)."""
+    path.mkdir()
+    os.chown(path, 10001, KVTIER_GID)
+    os.chmod(path, 0o2770)
+    return path
+
+
+def _serving(sock: Path, timeout: float = 60.0) -> float:
+    """Seconds until the daemon at `sock` reports SERVING (gRPC health, from the host)."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if sock.exists():
+            with grpc.insecure_channel(f"unix://{sock}") as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - began
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.05)
+    raise AssertionError(f"no daemon SERVING at {sock} after {timeout:.0f} s")
+
+
+@dataclass
+class Pod:
+    """A podman pod as Kubernetes would run kvtier in it: volumes for the socket directory
+    (shared with the host at the same path, for the host's client), the cache directory and,
+    with a keeper, the keeper's socket."""
+
+    image: str
+    name: str
+    base: Path
+    keeper: bool
+    containers: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.run_dir = _shared_dir(self.base / "run")
+        self.cache_dir = _shared_dir(self.base / "cache")
+        self.keeper_dir = _shared_dir(self.base / "keeper")
+        self.sock = self.run_dir / "kvtier.sock"
+        subprocess.run(["podman", "pod", "create", "--name", self.name], check=True, capture_output=True, timeout=60)
+
+    def run(self, name: str, *args: str, entrypoint: str = "") -> str:
+        full = f"{self.name}-{name}"
+        volumes = ["-v", f"{self.run_dir}:{self.run_dir}", "-v", f"{self.cache_dir}:/var/cache/kvtier",
+                   "-v", f"{self.keeper_dir}:{KEEPER_DIR}"]
+        env = ["-e", f"KVTIER_SOCKET={self.sock}"]
+        if self.keeper:
+            env += ["-e", f"KVTIER_KEEPER_SOCKET={KEEPER_SOCKET}"]
+        first = ["--entrypoint", entrypoint] if entrypoint else []
+        subprocess.run(["podman", "run", "-d", "--pod", self.name, "--name", full, *volumes, *env, *first, self.image,
+                        *args], check=True, capture_output=True, timeout=120)
+        self.containers.append(full)
+        return full
+
+    def start_keeper(self) -> str:
+        """The kvtier-keeper sidecar: `kvtier keeper ...` where the CLI has it, else its module."""
+        args = ["--socket", KEEPER_SOCKET, "--window", "5m"]
+        registered = subprocess.run(["podman", "run", "--rm", self.image, "keeper", "--help"], capture_output=True,
+                                    timeout=120).returncode == 0
+        name = (self.run("keeper", "keeper", *args) if registered
+                else self.run("keeper", "-m", "kvtier.keeper_cli", *args, entrypoint="python"))
+        deadline = time.monotonic() + 60
+        while self.check_keeper().returncode != 0:
+            assert time.monotonic() < deadline, "the keeper container did not answer its probe within 60 s"
+            time.sleep(0.2)
+        return name
+
+    def check_keeper(self) -> subprocess.CompletedProcess:
+        return subprocess.run(["podman", "exec", f"{self.name}-keeper", "python", "-m", "kvtier.keeper_cli", "--check",
+                               "--socket", KEEPER_SOCKET], capture_output=True, text=True, timeout=60)
+
+    def start_daemon(self, name: str) -> tuple[str, float]:
+        """A daemon container: (its name, seconds from its start to SERVING)."""
+        began = time.monotonic()
+        full = self.run(name, "serve", "--host-size", "64MiB", "--disk-size", "128MiB", "--log-format", "text")
+        return full, time.monotonic() - began + _serving(self.sock)
+
+    def pages(self, script: Path, mode: str) -> dict:
+        out = subprocess.run([sys.executable, str(script), str(self.sock), mode, str(POD_PAGES)], capture_output=True,
+                             text=True, timeout=300, cwd="/")
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {c} ---\n" + subprocess.run(["podman", "logs", c], capture_output=True, text=True).stderr
+                         for c in self.containers)
+
+    def remove(self) -> None:
+        subprocess.run(["podman", "pod", "rm", "-f", self.name], capture_output=True, timeout=120)
+
+
+def _kill_and_restart(pod: Pod, script: Path) -> tuple[dict, float]:
+    """Write the pages, `podman kill` the daemon container, start a new one in the pod:
+    (what the new one finds of them, its seconds to SERVING)."""
+    first, _ = pod.start_daemon("kvtier")
+    assert pod.pages(script, "write") == {"written": POD_PAGES}
+    subprocess.run(["podman", "kill", first], check=True, capture_output=True, timeout=60)
+    subprocess.run(["podman", "wait", first], capture_output=True, timeout=60)
+    subprocess.run(["podman", "rm", first], check=True, capture_output=True, timeout=60)
+    _, seconds = pod.start_daemon("kvtier-restarted")
+    return pod.pages(script, "read"), seconds
+
+
+def test_a_keeper_container_keeps_host_pages_across_a_daemon_container_kill(tmp_path, cpu_image):
+    engine, image = cpu_image
+    if engine != "podman":
+        pytest.skip("the pod test uses podman pods")
+    script = tmp_path / "pages.py"
+    script.write_text(PAGES)
+    tag = uuid.uuid4().hex[:8]
+    warm = Pod(image, f"kvtier-warm-{tag}", _shared_dir(tmp_path / "warm"), keeper=True)
+    cold = Pod(image, f"kvtier-cold-{tag}", _shared_dir(tmp_path / "cold"), keeper=False)
+    try:
+        warm.start_keeper()
+        found, warm_s = _kill_and_restart(warm, script)
+        assert found == {"hits": POD_PAGES, "equal": POD_PAGES}, warm.logs()
+        assert "adopted host arena" in warm.logs()
+        # A clean stop frees what the keeper holds and leaves it running for the next daemon.
+        subprocess.run(["podman", "stop", "-t", "30", f"{warm.name}-kvtier-restarted"], check=True, capture_output=True,
+                       timeout=60)
+        probe = warm.check_keeper()
+        assert probe.returncode == 0 and "0 files kept, no daemon holds it" in probe.stdout, probe.stdout + probe.stderr
+
+        found_cold, cold_s = _kill_and_restart(cold, script)
+        assert found_cold == {"hits": 0, "equal": 0}, "without the keeper container the host tier dies with the daemon's"
+        print(f"pod warm restart: {found['hits']}/{POD_PAGES} pages kept with the keeper container, "
+              f"{found_cold['hits']}/{POD_PAGES} without; new daemon container to SERVING {warm_s:.2f} s with the "
+              f"keeper, {cold_s:.2f} s without ({warm_s / cold_s:.2f}x)")
+    finally:
+        print(warm.logs(), cold.logs())
+        warm.remove()
+        cold.remove()
