@@ -34,22 +34,40 @@ from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
-    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
+    BorrowAfterCommitError,
+    DaemonRestarted,
+    FailedPrecondition,
+    KVTierError,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
     from_status,
 )
 from kvtier_client.events import EventStream
 from kvtier_client.groups import GroupLookup, GroupQuery, check_lengths
 from kvtier_client.handoff import DeviceGrant, attach, fetch_device_slots
 from kvtier_client.hotpath import GrpcPath, HotPath, LanePath
-from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.ids import SessionId, short_session
 from kvtier_client.keys import BlockKey
+from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.protocol import PAGE_PIECE_BYTES, Granted, Wait, check_lent_tier, check_token_ids, wait_request
-from kvtier_client.results import CommitResult, LookupResult, PoolInfo, Stats
-from kvtier_client.results import Explanation
+from kvtier_client.protocol import (
+    PAGE_PIECE_BYTES,
+    Granted,
+    Wait,
+    check_lent_tier,
+    check_token_ids,
+    wait_request,
+)
+from kvtier_client.results import (
+    CommitResult,
+    Explanation,
+    LookupResult,
+    PoolInfo,
+    Stats,
+)
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto
@@ -135,7 +153,10 @@ class KVTierClient:
     `on_reconnect(old, new)` is called (from the thread that noticed) after the client
     registered again, so an engine holding its own views of the old arena can rebuild them.
     A same-host client makes the hot calls over the daemon's fast lane (`transport` says
-    which it uses); `lane=False` keeps every call on gRPC.
+    which it uses); `lane=False` keeps every call on gRPC. `engine_endpoint` ("IP:PORT", the
+    address routers send the engine's requests to; default $KVTIER_ENGINE_ENDPOINT) and
+    `served_model` (default $KVTIER_SERVED_MODEL) name the engine in the daemon's KV event
+    topics, so a node-wide daemon credits it with the namespace's pages (docs/events.md).
     Thread-safe: leases and calls may come from several engine threads; each thread's calls
     reach the daemon in the order it makes them.
     """
@@ -153,8 +174,14 @@ class KVTierClient:
         timeout: float = 30.0,
         on_reconnect: Callable[[PoolInfo, PoolInfo], None] | None = None,
         lane: bool = True,
+        engine_endpoint: str | None = None,
+        served_model: str | None = None,
     ) -> None:
         self.name = name or f"kvtier-client pid {os.getpid()}"
+        # The engine as routers name it, for KV event topics (docs/events.md, "Topics"):
+        # a node-wide daemon credits each engine on its node with the namespace's pages.
+        self.engine_endpoint = engine_endpoint or os.environ.get("KVTIER_ENGINE_ENDPOINT", "")
+        self.served_model = served_model or os.environ.get("KVTIER_SERVED_MODEL", "")
         self.map_arena = map_arena
         self.on_reconnect = on_reconnect
         self.lane = lane
@@ -220,6 +247,8 @@ class KVTierClient:
                 hash_algorithm=registration.algorithm,
                 hash_fingerprint=keys_mod.hash_fingerprint(registration.algorithm),
                 client_name=self.name,
+                engine_endpoint=self.engine_endpoint,
+                served_model=self.served_model if self.engine_endpoint else "",
             ),
         )
         info = PoolInfo.from_proto(reply, registration.namespace, registration.layout, registration.algorithm)
@@ -634,7 +663,7 @@ class KVTierClient:
         except (NotFound, Unavailable, PermissionDenied):
             pass  # already gone; the daemon is down; or never attached (no key): it times the session out
 
-    def __enter__(self) -> "KVTierClient":
+    def __enter__(self) -> KVTierClient:
         return self
 
     def __exit__(self, *exc_info) -> None:

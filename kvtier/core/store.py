@@ -72,9 +72,16 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity
 from kvtier.core.cluster import ClusterCopies
+from kvtier.core.held import HeldCopy, held_copies
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.index import (
-    Block, BlockIndex, NamespaceCounters, TierCounters, TierState, check_keys, check_namespace,
+    Block,
+    BlockIndex,
+    NamespaceCounters,
+    TierCounters,
+    TierState,
+    check_keys,
+    check_namespace,
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
@@ -82,8 +89,17 @@ from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
-    BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
-    StoreUsage, TierUsage, WriteGrant,
+    BlockState,
+    BlockStatus,
+    CommitOutcome,
+    Explanation,
+    NamespaceTierUsage,
+    NamespaceUsage,
+    PrefixMatch,
+    ReadGrant,
+    StoreUsage,
+    TierUsage,
+    WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
 from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, Writes
@@ -181,6 +197,11 @@ class BlockStore:
     @property
     def sessions(self) -> dict[SessionId, set[LeaseId]]:
         return self._leases.sessions
+
+    def held(self, namespace: str | None = None) -> list[HeldCopy]:
+        """Every copy in place now (of one namespace, or all), parents first, read a chunk
+        at a time under the lock (kvtier.core.held): KV events re-announce them."""
+        return held_copies(self._index, self._lock, namespace)
 
     @property
     def events(self) -> BlockEvents | None:

@@ -48,7 +48,7 @@ class EndpointAccess:
         return self.namespaces is None or namespace in self.namespaces
 
     @classmethod
-    def configured(cls, events: AccessOptions, *, tenants: bool) -> "EndpointAccess":
+    def configured(cls, events: AccessOptions, *, tenants: bool) -> EndpointAccess:
         """The access the events options give; `tenants`: namespaces are authorised (tokens),
         so the namespace list must be given. Raises ValueError naming the option to fix."""
         if events.namespaces == "" and tenants:

@@ -1,27 +1,29 @@
 """The daemon's KV event publisher: one thread that takes what the pools' sinks recorded,
-groups it into vLLM event batches per namespace, sends each over a ZMQ PUB socket as vLLM's
-publisher does, and hands the same events to the gRPC watchers allowed to see them.
+groups it into vLLM event batches per namespace, sends them over ZMQ (kvtier.events.zmq_out:
+the topics, the socket) as vLLM's publisher does, and hands the same events to the gRPC
+watchers allowed to see them.
 
-On the ZMQ socket every message is vLLM's three frames:
+Beyond the changes, the thread tells routers the whole state (every copy held, parents
+first: kvtier.core.held) when they need it, on ZMQ only:
 
-    topic           the topic template with {host} and {namespace} filled in, by default
-                    "kv@<host>@<namespace>": the pod id and model name llm-d expects
-    sequence        u64 big-endian, counting from 0 per topic, so each namespace's stream
-                    reads like one vLLM engine's
-    payload         the msgpack batch (kvtier.events.wire)
+- when a subscriber joins (its subscription reaches the XPUB socket): a router that
+  started late, or restarted, or reconnected after losing messages;
+- every `reannounce` seconds (0: never), for routers that lost messages silently;
+- under a new engine's topic when it attaches to a namespace (a node-wide daemon), and
+  taken back (BlockRemoved) from a departed engine's topic;
+- host and device copies taken back at the daemon's stop, from every topic: they go with
+  it (not AllBlocksCleared: routers clear a whole endpoint on it, the engine's own GPU
+  blocks included, as they share the endpoint's topic). Disk copies stay announced: the
+  next daemon serves them, and re-announces them when it starts.
 
-The endpoint is bound or connected as vLLM decides: bound when it has a wildcard ("*",
-"::") or is ipc:// or inproc://, connected otherwise (llm-d's indexer binds and engines
-connect to it), which the daemon does only when told (kvtier.events.access). Only the
-namespaces on the endpoint's list go out on it. Plain ZMQ has no authentication: anyone who
-reaches the endpoint reads those namespaces' block keys and token ids; with CurveZMQ
-(kvtier.events.curve) only the listed client keys do. WatchEvents is the authorised way to
-watch one tenant's namespaces.
+Only the namespaces on the endpoint's list go out on ZMQ. Plain ZMQ has no authentication:
+anyone who reaches the endpoint reads those namespaces' block keys and token ids; with
+CurveZMQ (kvtier.events.curve) only the listed client keys do. WatchEvents is the
+authorised way to watch one tenant's namespaces; it carries changes, not re-announces.
 """
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -29,15 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from kvtier_client.event_media import parse_media
+from kvtier_client.tiers import Tier
 
-from kvtier.events.access import AccessOptions, EndpointAccess, connect_refusal
-from kvtier.events.curve import serve_curve
-from kvtier.events.records import Event, EventKind, Record, coalesce
+from kvtier.events.access import AccessOptions, EndpointAccess
+from kvtier.events.engines import Engines
+from kvtier.events.records import Event, Record, coalesce
 from kvtier.events.sink import PoolEvents
+from kvtier.events.topics import DaemonIdentity, EngineIdentity, Topics, parse_models
 from kvtier.events.watch import Watcher, check_room
 from kvtier.events.wire import Encoder, EventFormat
+from kvtier.events.zmq_out import ZmqOut
 
 
 class PublisherOptions(AccessOptions, Protocol):
@@ -45,20 +49,26 @@ class PublisherOptions(AccessOptions, Protocol):
 
     endpoint: str
     topic: str
+    cluster_topic: str
     format: EventFormat
+    media: str
+    models: str
+    reannounce: float
+    pod_ip: str
+    engine_port: int
+    node_name: str
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOPIC = "kv@{host}@{namespace}"
+#: `events` value for WatchEvents only, no ZMQ endpoint.
+WATCH_ONLY = "watch"
 #: Block events a pool may have recorded and not yet published before the oldest are
 #: dropped (vLLM's publisher queues 100,000 batches; ours are single blocks).
 BUFFER_RECORDS = 100_000
-#: ZMQ's send high-water mark, in messages per subscriber (vLLM's default).
-HWM = 100_000
 #: WatchEvents streams at once: each holds one of the gRPC server's threads.
 MAX_WATCHERS = 8
-#: How long closing waits for the last messages to leave.
-LINGER_MS = 1000
+#: How often the thread looks for new subscribers when nothing else wakes it.
+POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -67,92 +77,65 @@ class EventStats:
     dropped: int  # block events lost before publishing: the publisher fell behind its buffer
     watchers: int  # open WatchEvents streams
     watcher_missed: int  # block events a slow watcher did not get (its queue was full)
-
-
-def _binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard or a local transport, connect to anything else."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    reannounced: int = 0  # block events sent again to tell the whole state (subscribers, engines, timer)
 
 
 class EventPublisher:
-    """`endpoint`: where to publish over ZMQ (None: only to WatchEvents). `topic`: the
-    template of each namespace's topic ({host}, {namespace}). `layout`: how events are laid
-    out in a batch (kvtier.events.wire.EventFormat). `access`: which namespaces go out on
-    the endpoint, whether it may be dialled out to, and its CURVE keys (by default: every
-    namespace, bind only, plain)."""
+    """`endpoint`: where to publish over ZMQ (None or "watch": only to WatchEvents).
+    `topics`: the topics of each namespace (kvtier.events.topics). `layout` and `media`:
+    how events are laid out and tiers named (kvtier.events.wire). `access`: which
+    namespaces go out on the endpoint, whether it may be dialled out to, and its CURVE keys
+    (by default: every namespace, bind only, plain). `reannounce`: seconds between
+    re-announces of the whole state (0: only when a subscriber or an engine joins)."""
 
-    def __init__(self, endpoint: str | None, *, topic: str = DEFAULT_TOPIC, layout: EventFormat | str = EventFormat.MAP,
-                 buffer_records: int = BUFFER_RECORDS, access: EndpointAccess = EndpointAccess()) -> None:
-        if endpoint and not _binds(endpoint) and not access.connect:
-            raise ValueError(connect_refusal(endpoint))
-        try:
-            topic.format(host="h", namespace="n")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"events topic {topic!r} is not a template of {{host}} and {{namespace}} ({exc}); "
-                             f"e.g. {DEFAULT_TOPIC!r}") from None
-        self._topic = topic
-        self._host = socket.gethostname()
-        self._encoder = Encoder(EventFormat(layout))
+    def __init__(self, endpoint: str | None, *, topics: Topics | None = None,
+                 layout: EventFormat | str = EventFormat.MAP, media: dict[Tier, str] | None = None,
+                 buffer_records: int = BUFFER_RECORDS, access: EndpointAccess = EndpointAccess(),
+                 reannounce: float = 0.0) -> None:
+        self.engines = Engines()
         self._buffer_records = buffer_records
-        self._access = access
-        self._authenticator: ThreadAuthenticator | None = None  # CurveZMQ's ZAP handler
-        self._ready = threading.Event()  # a sink has records
+        self._reannounce = reannounce
+        self._ready = threading.Event()  # a sink has records, or an engine came or went
         self._sinks: list[PoolEvents] = []
-        self._context = zmq.Context() if endpoint else None
-        self._socket = self._open(endpoint) if endpoint else None
-        self._topics: dict[str, bytes] = {}  # namespace -> its topic, once published on ZMQ
-        self._named: dict[str, None] = {}  # every namespace with events so far, in order: each is cleared at close
-        self._sequence: Counter[str] = Counter()  # namespace -> its next sequence number
+        self._out = (ZmqOut(endpoint, access, topics or Topics(), Encoder(EventFormat(layout), media), self.engines)
+                     if endpoint and endpoint != WATCH_ONLY else None)
         self._watchers: list[Watcher] = []
         self._lock = threading.Lock()  # the sinks, the watchers and the counters
-        self._published = self._dropped = self._watcher_missed = 0
+        self._published = self._dropped = self._watcher_missed = self._reannounced = 0
         self._closing = False
         self._watching = True
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
     @classmethod
-    def configured(cls, events: PublisherOptions, *, tenants: bool) -> "EventPublisher":
+    def configured(cls, events: PublisherOptions, *, tenants: bool) -> EventPublisher:
         """The daemon's publisher, from its events options (`events.endpoint` set); `tenants`:
         namespaces are authorised by tokens (kvtier.events.access). Raises ValueError naming
         the option to fix."""
-        return cls(events.endpoint, topic=events.topic, layout=events.format,
-                   access=EndpointAccess.configured(events, tenants=tenants))
-
-    def _open(self, endpoint: str) -> zmq.Socket:
-        pub = self._context.socket(zmq.PUB)
-        pub.set_hwm(HWM)
-        pub.setsockopt(zmq.LINGER, LINGER_MS)
-        try:
-            if self._access.curve is not None:
-                self._authenticator = serve_curve(self._context, pub, self._access.curve)
-            if _binds(endpoint):
-                pub.bind(endpoint)
-            else:
-                pub.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._end_socket(pub, linger=0)
-            raise ValueError(f"cannot {'bind' if _binds(endpoint) else 'connect'} the KV events endpoint {endpoint!r}: "
-                             f"{exc}; use e.g. tcp://*:5557 (bind) or tcp://indexer:5557 (connect)") from None
-        published = "every namespace" if self._access.namespaces is None else sorted(self._access.namespaces)
-        log.info("KV events: publishing on ZMQ", extra={"endpoint": endpoint, "namespaces": published,
-                                                       "curve": self._access.curve is not None})
-        return pub
-
-    def _end_socket(self, pub: zmq.Socket, linger: int | None = None) -> None:
-        pub.close(linger)  # by default it lingers LINGER_MS for the last messages
-        if self._authenticator is not None:
-            self._authenticator.stop()
-        self._context.term()
+        identity = DaemonIdentity.local(events.pod_ip, events.engine_port, events.node_name)
+        topics = Topics(events.topic, events.cluster_topic, identity=identity, models=parse_models(events.models))
+        access = EndpointAccess.configured(events, tenants=tenants) if events.endpoint != WATCH_ONLY else EndpointAccess()
+        return cls(events.endpoint, topics=topics, layout=events.format, media=parse_media(events.media),
+                   access=access, reannounce=events.reannounce)
 
     # -- for the daemon ---------------------------------------------------------------
-    def sink(self, block_size: int) -> PoolEvents:
-        """A new pool's sink (`store.events = publisher.sink(layout.block_tokens)`): one per
-        store, as every call comes under that store's lock."""
-        sink = PoolEvents(block_size, self._buffer_records, self._ready)
+    def sink(self, block_size: int, held=None) -> PoolEvents:
+        """A new pool's sink (`store.events = publisher.sink(layout.block_tokens, store.held)`):
+        one per store, as every call comes under that store's lock; `held` reads the
+        store's whole state for re-announcing it."""
+        sink = PoolEvents(block_size, self._buffer_records, self._ready, held)
         with self._lock:
             self._sinks.append(sink)
         return sink
+
+    def engine_joined(self, namespace: str, engine: EngineIdentity) -> None:
+        """A session of `engine` opened on `namespace` (kvtier.events.engines)."""
+        self.engines.joined(namespace, engine)
+        self._ready.set()
+
+    def engine_left(self, namespace: str, engine: EngineIdentity) -> None:
+        self.engines.left(namespace, engine)
+        self._ready.set()
 
     def watch(self, visible: Callable[[str], bool], holder: str = "") -> Watcher:
         """A new WatchEvents stream's queue, fed the events of the namespaces `visible` allows;
@@ -183,57 +166,83 @@ class EventPublisher:
 
     def stats(self) -> EventStats:
         with self._lock:
-            return EventStats(self._published, self._dropped, len(self._watchers), self._watcher_missed)
+            return EventStats(self._published, self._dropped, len(self._watchers), self._watcher_missed,
+                              self._reannounced)
 
     def close(self) -> None:
-        """Publish what is left, then AllBlocksCleared to every namespace published so far
-        (the daemon stops: its host and device tiers go with it), end the watches, close
-        the socket. Call it after the pools are closed, so their last writes are told."""
+        """Publish what is left, then take back every host and device copy from every topic
+        (the daemon stops: they go with it), end the watches, close the socket. Call it after
+        the pools are closed, so their last writes are told."""
         if self._closing:
             return
         self._closing = True
         self._ready.set()
         self._thread.join()
-        if self._socket is not None:
-            self._end_socket(self._socket)
+        if self._out is not None:
+            self._out.close()
 
     # -- the thread ---------------------------------------------------------------------
     def _take(self) -> tuple[dict[str, list[Event]], Counter[str]]:
         """Everything the sinks recorded, as each namespace's events, and what they dropped,
         by namespace."""
-        with self._lock:
-            sinks = list(self._sinks)
         records: list[Record] = []
         dropped: Counter[str] = Counter()
-        for sink in sinks:
+        for sink in self._all_sinks():
             taken, lost = sink.take()
             records += taken
             dropped += lost
         return coalesce(records), dropped
 
+    def _all_sinks(self) -> list[PoolEvents]:
+        with self._lock:
+            return list(self._sinks)
+
     def _run(self) -> None:
+        next_full = time.monotonic() + self._reannounce if self._reannounce > 0 else None
         while True:
-            self._ready.wait()
+            wait = POLL_SECONDS if self._out is not None else None
+            self._ready.wait(wait)
             self._ready.clear()
             try:
                 self._publish(*self._take())
+                changes = self.engines.changes()
+                if self._out is not None:
+                    for joined, namespace, engine in changes:  # a joined engine's topic learns the namespace's state
+                        self._announce(stored=joined, namespace=namespace, only=engine)
+                    now = time.monotonic()
+                    if self._out.subscribed() or (next_full is not None and now >= next_full):
+                        self._announce(stored=True)
+                        next_full = now + self._reannounce if next_full is not None else None
             except Exception:
                 log.exception("KV events: a batch could not be published; continuing")
             if self._closing:
                 break
         self._publish(*self._take())  # recorded while the last batch was sent
-        self._publish({ns: [Event(EventKind.CLEARED, ns, None, [])] for ns in list(self._named)}, Counter())
+        if self._out is not None:  # host and device copies go with the daemon; disk ones wait for the next
+            self._announce(stored=False, tiers=(Tier.DEVICE, Tier.HOST))
         self.end_watches()
+
+    def _announce(self, *, stored: bool, namespace: str | None = None, only: EngineIdentity | None = None,
+                  tiers: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)) -> None:
+        """Tell ZMQ subscribers every copy held (`stored`), or that the copies in `tiers`
+        left (cluster copies never do: they are the shared topic's). `only`: under that
+        engine's topic alone (it joined or left)."""
+        records: list[Record] = []
+        for sink in self._all_sinks():
+            records += (r for r in sink.state(stored, namespace) if stored or r[1] in tiers)
+        ts = time.time()
+        sent = sum(self._out.publish(ns, ts, events, only=only, shared=only is None)
+                   for ns, events in coalesce(records).items())
+        with self._lock:
+            self._reannounced += sent
 
     def _publish(self, batches: dict[str, list[Event]], dropped: Counter[str]) -> None:
         """Send each namespace's events over ZMQ, then hand them, and what was dropped, to
         the watchers that may see them."""
         ts = time.time()
         sent = 0
-        for namespace, events in batches.items():
-            self._named.setdefault(namespace)
-            if self._socket is not None and self._access.publishes(namespace):
-                sent += self._send(namespace, ts, events)
+        if self._out is not None:
+            sent = sum(self._out.publish(namespace, ts, events) for namespace, events in batches.items())
         with self._lock:
             watchers = list(self._watchers)
         lost = 0
@@ -245,17 +254,3 @@ class EventPublisher:
             self._published += sent
             self._dropped += sum(dropped.values())
             self._watcher_missed += lost
-
-    def _send(self, namespace: str, ts: float, events: list[Event]) -> int:
-        """One ZMQ message; returns the block events it carried (0 if ZMQ refused it)."""
-        topic = self._topics.get(namespace)
-        if topic is None:
-            topic = self._topics[namespace] = self._topic.format(host=self._host, namespace=namespace).encode()
-        seq = self._sequence[namespace]
-        self._sequence[namespace] = seq + 1
-        try:
-            self._socket.send_multipart((topic, seq.to_bytes(8, "big"), self._encoder.encode(ts, events)))
-        except zmq.ZMQError as exc:
-            log.warning("KV events: a batch was not sent", extra={"namespace": namespace, "reason": str(exc)})
-            return 0
-        return sum(e.blocks for e in events)

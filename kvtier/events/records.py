@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from kvtier_client.tiers import Tier
 
+from kvtier_client.tiers import Tier
 
 #: One copy of one block arriving in (stored True) or leaving a tier:
 #: (stored, tier, namespace, key, parent, the block's token ids, tokens per block).

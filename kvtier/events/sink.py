@@ -13,22 +13,41 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvtier_client.tiers import Tier
 
 from kvtier.events.records import Record
 
 
+class HeldCopy(Protocol):
+    """One copy a store holds (kvtier.core.held.HeldCopy: events never import the core)."""
+
+    tier: Tier
+    namespace: str
+    key: bytes
+    parent: bytes | None
+    tokens: tuple[int, ...] | None
+
+
+#: What a sink reads the store's whole state with (BlockStore.held): every copy in place,
+#: parents first, of one namespace or (None) all.
+Held = Callable[[str | None], Sequence[HeldCopy]]
+
+
 class PoolEvents:
     """One pool's sink. `block_size`: the pool's tokens per block (a BlockStored names it).
-    `ready` is set when records arrive; the publisher's thread waits on it."""
+    `ready` is set when records arrive; the publisher's thread waits on it. `held` reads
+    the store's whole state, for re-announcing it (None: nothing to re-announce)."""
 
-    __slots__ = ("block_size", "_records", "_dropped", "_lock", "_ready")
+    __slots__ = ("_dropped", "_lock", "_ready", "_records", "block_size", "held")
 
-    def __init__(self, block_size: int, capacity: int, ready: threading.Event) -> None:
+    def __init__(self, block_size: int, capacity: int, ready: threading.Event, held: Held | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"an event sink holds at least one record, got {capacity}")
         self.block_size = block_size
+        self.held = held
         self._records: deque[Record] = deque(maxlen=capacity)
         self._dropped: Counter[str] = Counter()
         self._lock = threading.Lock()  # the drop counts only: dropping is rare
@@ -59,3 +78,12 @@ class PoolEvents:
         with self._lock:
             dropped, self._dropped = self._dropped, Counter()
         return records, dropped
+
+    def state(self, stored: bool, namespace: str | None = None) -> list[Record]:
+        """The store's whole state as records, parents first: each copy in place arriving
+        (`stored`) or leaving. Read by the publisher's thread, outside any lock of ours."""
+        if self.held is None:
+            return []
+        size = self.block_size
+        return [(stored, c.tier, c.namespace, c.key, c.parent, c.tokens if stored else None, size)
+                for c in self.held(namespace)]

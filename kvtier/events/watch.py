@@ -28,7 +28,7 @@ def holder_of(token: str | None, namespaces: Collection[str]) -> str:
     return f"token {token}" if token is not None else "namespaces " + ",".join(sorted(namespaces))
 
 
-def check_room(watchers: Sequence["Watcher"], holder: str, total: int) -> None:
+def check_room(watchers: Sequence[Watcher], holder: str, total: int) -> None:
     """Raise CapacityError unless `holder` may open one more stream beside `watchers` (at
     most MAX_WATCHERS_PER_HOLDER of its own, `total` in all)."""
     if sum(w.holder == holder for w in watchers) >= MAX_WATCHERS_PER_HOLDER:

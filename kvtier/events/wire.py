@@ -14,9 +14,11 @@ Two layouts, because the consumers straddle a change in vLLM:
 
 The batch itself is `[ts, events, data_parallel_rank]` in both.
 
-Tiers are named with vLLM's media ("GPU", "CPU", "STORAGE"); the cluster tier is storage
-that is not on this node, which vLLM says with `locality="REMOTE"` (its remote offload
-tiers do the same). Block hashes are kvtier's block keys, as bytes.
+Tiers are named by kvtier_client.event_media (GPU, CPU, DISK, SHARED by default; the
+`events_media` option renames them); the cluster tier is storage that is not on this node,
+which vLLM says with `locality="REMOTE"` (its remote offload tiers do the same). Every event
+says `ownership="kvtier"`: vLLM's "secondary offloading tier identifier". Block hashes are
+kvtier's block keys, as bytes.
 """
 from __future__ import annotations
 
@@ -24,12 +26,11 @@ import enum
 from typing import Any
 
 import msgspec
+from kvtier_client.event_media import DEFAULT_MEDIA, OWNERSHIP
 from kvtier_client.tiers import Tier
 
 from kvtier.events.records import Event, EventKind
 
-#: vLLM's medium of each tier (vllm.distributed.kv_events.MEDIUM_GPU / _CPU / _STORAGE).
-MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "STORAGE", Tier.CLUSTER: "STORAGE"}
 #: vLLM's `locality` where it is not the default (this node): the cluster is shared storage.
 LOCALITY = {Tier.CLUSTER: "REMOTE"}
 
@@ -49,8 +50,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 def _event_classes(array_like: bool) -> tuple[type, type, type]:
     """vLLM's BlockStored, BlockRemoved and AllBlocksCleared in one layout. The class names
-    are the tags on the wire. Fields after `locality` (ownership, session_id) are left out:
-    kvtier never sets them, and both layouts read a missing trailing field as None."""
+    are the tags on the wire. `session_id`, after `ownership`, is left out: kvtier never
+    sets it, and both layouts read a missing trailing field as None."""
 
     class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
         pass
@@ -68,12 +69,14 @@ def _event_classes(array_like: bool) -> tuple[type, type, type]:
         kv_cache_spec_kind: str | None = None
         kv_cache_spec_sliding_window: int | None = None
         locality: str | None = None
+        ownership: str | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[bytes]
         medium: str | None
         group_idx: int | None = None
         locality: str | None = None
+        ownership: str | None = None
 
     class AllBlocksCleared(KVCacheEvent):
         pass
@@ -82,10 +85,12 @@ def _event_classes(array_like: bool) -> tuple[type, type, type]:
 
 
 class Encoder:
-    """Encodes one namespace's events as one vLLM event batch."""
+    """Encodes one namespace's events as one vLLM event batch; `media`: each tier's medium
+    (kvtier_client.event_media.DEFAULT_MEDIA)."""
 
-    def __init__(self, layout: EventFormat = EventFormat.MAP) -> None:
+    def __init__(self, layout: EventFormat = EventFormat.MAP, media: dict[Tier, str] | None = None) -> None:
         self.layout = EventFormat(layout)
+        self.media = dict(media or DEFAULT_MEDIA)
         self._stored, self._removed, self._cleared = _event_classes(self.layout is EventFormat.ARRAY)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -97,9 +102,10 @@ class Encoder:
         if event.kind is EventKind.STORED:
             return self._stored(
                 block_hashes=event.keys, parent_block_hash=event.parent, token_ids=event.token_ids or [],
-                block_size=event.block_size, lora_id=None, medium=MEDIUM[event.tier], lora_name=None,
-                locality=LOCALITY.get(event.tier),
+                block_size=event.block_size, lora_id=None, medium=self.media[event.tier], lora_name=None,
+                locality=LOCALITY.get(event.tier), ownership=OWNERSHIP,
             )
         if event.kind is EventKind.REMOVED:
-            return self._removed(block_hashes=event.keys, medium=MEDIUM[event.tier], locality=LOCALITY.get(event.tier))
+            return self._removed(block_hashes=event.keys, medium=self.media[event.tier],
+                                 locality=LOCALITY.get(event.tier), ownership=OWNERSHIP)
         return self._cleared()

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
-from kvtier.events import DEFAULT_TOPIC, EventFormat
+from kvtier.events import DEFAULT_CLUSTER_TOPIC, DEFAULT_ENGINE_PORT, DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.backends import check_url
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.mechanism.seal import Sealer
@@ -124,12 +124,19 @@ class EventsConfig:
     """KV events (kvtier.events, docs/events.md); `endpoint` "" = none."""
 
     endpoint: str  # ZMQ PUB: tcp://*:5557 binds, tcp://host:5557 connects (as vLLM)
-    topic: str  # per namespace: {host}, {namespace}
+    topic: str  # per namespace and engine: {pod_ip}, {port}, {model}, {node}, {host}, {namespace} (kvtier.events.topics)
+    cluster_topic: str  # the cluster tier's copies, shared by every daemon
     format: EventFormat  # map (vLLM >= 0.28) or array (the older layout llm-d parses)
     namespaces: str  # published on ZMQ: "a,b" or "*"; "" = * without tokens, required with them (kvtier.events.access)
     connect: bool  # may dial out to an endpoint without a wildcard (it gets every published prompt)
     curve_secret_key_file: str  # the daemon's ZMQ secret certificate: CurveZMQ on ("" = plain ZMQ)
     curve_clients_dir: str  # the public certificates (*.key) of the clients CurveZMQ lets in
+    media: str  # tier=MEDIUM,... renaming kvtier_client.event_media.DEFAULT_MEDIA
+    models: str  # namespace=served model,... where engines do not name theirs
+    reannounce: float  # seconds between re-announces of the whole state; 0 = on joins only
+    pod_ip: str  # this daemon's pod IP ("" = what the host name resolves to)
+    engine_port: int  # the serving port of the engine in this pod
+    node_name: str  # this node's name ("" = the host name)
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,7 @@ class Kind:
     read_last: bool = False
 
     @staticmethod
-    def of(enum: type[Enum], *, optional: bool = False) -> "Kind":
+    def of(enum: type[Enum], *, optional: bool = False) -> Kind:
         """Values of `enum`; with `optional`, "" reads as None (a default derived later)."""
         names = tuple(member.value for member in enum)
         listed = f"{', '.join(names[:-1])} or {names[-1]}"
@@ -370,9 +377,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("cluster_queue", "cluster", SIZE, "0", "Committed pages waiting for the cluster writer, per layout; more are "
            "not written.", shown="host_size / 4", field="queue"),
     Option("events", "events", TEXT, "", "Publish KV events (vLLM's format) on this ZMQ endpoint: tcp://*:5557 binds, "
-           "tcp://HOST:PORT connects.", shown="off", field="endpoint", metavar="ENDPOINT"),
-    Option("events_topic", "events", TEXT, DEFAULT_TOPIC, "ZMQ topic of each namespace's events ({host}, {namespace}).",
+           "tcp://HOST:PORT connects; watch: WatchEvents only.", shown="off", field="endpoint", metavar="ENDPOINT"),
+    Option("events_topic", "events", TEXT, DEFAULT_TOPIC, "ZMQ topic of a namespace's events for each engine using it "
+           "({pod_ip}, {port}, {model}, {node}, {host}, {namespace}); llm-d's is the default.",
            field="topic", metavar="TOPIC"),
+    Option("events_cluster_topic", "events", TEXT, DEFAULT_CLUSTER_TOPIC, "ZMQ topic of the cluster tier's copies, "
+           "shared by every daemon (same fields).", field="cluster_topic", metavar="TOPIC"),
+    Option("events_media", "events", TEXT, "", "Rename tiers' media in events: TIER=MEDIUM,... (defaults device=GPU, "
+           "host=CPU, disk=DISK, cluster=SHARED).", shown="GPU,CPU,DISK,SHARED", field="media", metavar="TIER=M,..."),
+    Option("events_models", "events", TEXT, "", "The served model name of each namespace's engines, for {model}: "
+           "NS=MODEL,... (an engine that names its model at Register wins).", shown="the namespace", field="models",
+           metavar="NS=MODEL,..."),
+    Option("events_reannounce", "events", DURATION_OR_ZERO, "5m", "Tell ZMQ subscribers every copy held this often, "
+           "for routers that lost messages (also when a subscriber or an engine joins; 0 = only then).",
+           field="reannounce"),
+    Option("pod_ip", "events", TEXT, "", "This daemon's pod IP, for {pod_ip} (Kubernetes: fieldRef status.podIP).",
+           shown="the host name's address", metavar="IP"),
+    Option("engine_port", "events", INT, DEFAULT_ENGINE_PORT, "The serving port of the engine in this pod, for {port}.",
+           metavar="PORT"),
+    Option("node_name", "events", TEXT, "", "This node's name, for {node} (Kubernetes: fieldRef spec.nodeName).",
+           shown="the host name", metavar="NAME"),
     Option("events_format", "events", Kind.of(EventFormat), "map", "Event layout: map (vLLM >= 0.28) or array (llm-d).",
            field="format"),
     Option("events_namespaces", "events", TEXT, "", "Namespaces whose events go out on the ZMQ endpoint: NS,NS or * "

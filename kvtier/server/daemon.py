@@ -18,22 +18,22 @@ from kvtier_client.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 import kvtier
 from kvtier.events import EventPublisher
+from kvtier.mechanism.keeper import KeeperClient, keeper_path
 from kvtier.server.auth import Authorizer
 from kvtier.server.config import AuthMode, ConfigError, DaemonConfig
-from kvtier.mechanism.keeper import KeeperClient, keeper_path
 from kvtier.server.drain import DrainGate
 from kvtier.server.explain import Explainer
 from kvtier.server.handoff import Handoff, handoff_path
 from kvtier.server.heap import Trimmer
 from kvtier.server.lane import Lane, lane_path
 from kvtier.server.listener import PeerLimits
-from kvtier.server.ops import HotOps
 from kvtier.server.metrics import Metrics, MetricsServer
 from kvtier.server.namespaces import NamespaceGate
 from kvtier.server.notify import Notifier
+from kvtier.server.ops import HotOps
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.service import KVTierService
-from kvtier.server.sessions import SessionManager
+from kvtier.server.sessions import Session, SessionManager
 from kvtier.server.startup import preflight, tls_credentials
 from kvtier.server.wire_guard import WireGuard
 
@@ -116,7 +116,7 @@ class Daemon:
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
         self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants,
                                        max_sessions=config.sessions.max_sessions,
-                                       on_end=self.metrics.session_ended)
+                                       on_end=self._session_ended)
         local = PeerLimits(config.listen.local_first_message_timeout, config.listen.local_connections_per_uid)
         self.handoff = Handoff(handoff_path(config.listen.socket), self.sessions, self.metrics, local)
         ops = HotOps(self.sessions, self.drain)
@@ -139,6 +139,11 @@ class Daemon:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server: grpc.Server | None = None
         self._metrics_server: MetricsServer | None = None
+
+    def _session_ended(self, session: Session, reason: str) -> None:
+        self.metrics.session_ended(reason)
+        if self.events is not None and session.engine is not None:
+            self.events.engine_left(session.namespace, session.engine)
 
     # -- life cycle -----------------------------------------------------------
     def start(self) -> None:

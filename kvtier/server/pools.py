@@ -332,7 +332,7 @@ class PoolRegistry:
                 raise CapacityError(str(exc)) from None
             _apply_quotas(pool, self._quotas)
             if self._events is not None:
-                pool.store.events = self._events.sink(layout.block_tokens)
+                pool.store.events = self._events.sink(layout.block_tokens, pool.store.held)
             self._pools[layout.layout_id] = pool
             log.info("pool created", extra={"pool": layout.layout_id, "layout": repr(layout), "adopted_pages": len(pool.host.adopted)})
             return pool

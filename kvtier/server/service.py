@@ -21,7 +21,7 @@ from kvtier_client.wire import layout_to_proto, tier_to_proto
 
 from kvtier.core import NamespaceUsage, StoreUsage, check_namespace
 from kvtier.core.results import PrefixMatch, ReadGrant
-from kvtier.events import Event, EventKind, EventPublisher, Watcher
+from kvtier.events import EngineIdentity, Event, EventKind, EventPublisher, Watcher
 from kvtier.events.watch import holder_of
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.server.auth import Authorizer
@@ -47,7 +47,7 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
     name = name or method.__name__
 
     @functools.wraps(method)
-    def wrapper(self: "KVTierService", request, context: grpc.ServicerContext):
+    def wrapper(self: KVTierService, request, context: grpc.ServicerContext):
         start = time.perf_counter()
         code = "OK"
         try:
@@ -71,6 +71,18 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
             self.metrics.rpc_duration.labels(name, code, "grpc").observe(time.perf_counter() - start)
 
     return wrapper
+
+
+def _engine(request: pb.RegisterRequest) -> EngineIdentity | None:
+    """The engine the client says it serves for, named in the namespace's KV event topics."""
+    if not request.engine_endpoint:
+        if request.served_model:
+            raise InvalidArgument("served_model needs engine_endpoint (the engine's IP:PORT) beside it")
+        return None
+    try:
+        return EngineIdentity.parse(cut(request.engine_endpoint), cut(request.served_model))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def _layout(request: pb.RegisterRequest) -> PageLayout:
@@ -172,10 +184,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
         self.namespaces.admit(request.namespace)
         pool = self.pools.for_layout(_layout(request))
         who, local = caller(context, self.auth), is_local(context)
+        engine = _engine(request)
         session = self.sessions.open(
             request.namespace, pool, cut(request.client_name) or "unnamed",  # free text, for logs
-            token=who.token, tls_identity=who.tls_identity, local=local,
+            token=who.token, tls_identity=who.tls_identity, local=local, engine=engine,
         )
+        if engine is not None and self.events is not None:
+            self.events.engine_joined(request.namespace, engine)
         self.explainer.saw_register(request.namespace, request.hash_algorithm, pool.layout)
         tiers = [pb.TierInfo(tier=tier_to_proto(t.tier), capacity_pages=t.capacity) for t in pool.store.stats().tiers]
         return pb.RegisterResponse(

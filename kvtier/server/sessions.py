@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvtier_client.errors import CapacityError, KVTierError, NotFound, PermissionDenied
 from kvtier_client.ids import LeaseId, SessionId, short_session
 
+from kvtier.events import EngineIdentity
 from kvtier.server.pools import Pool
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Session:
     local: bool  # registered over the Unix socket: its key is given only by attaching
     key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     process: Process | None = None  # bound when attached over the handoff socket
+    engine: EngineIdentity | None = None  # the engine as routers name it, if it said (KV event topics)
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -74,11 +76,11 @@ class SessionManager:
 
     def __init__(
         self, timeout: float, on_release: Callable[[], None], grants: Callable[[str | None, str], bool] = lambda t, n: True,
-        on_end: Callable[[str], None] = lambda reason: None, max_sessions: int = 1024,
+        on_end: Callable[[Session, str], None] = lambda session, reason: None, max_sessions: int = 1024,
     ) -> None:
         """`grants(token, namespace)`: whether the current tokens file still lets `token`
         use `namespace` (checked on every call, so a token removed by a reload stops at once).
-        `on_end(reason)`: told of every session that ends, with why: `closed` (its client
+        `on_end(session, reason)`: told of every session that ends, with why: `closed` (its client
         closed it), `timeout` (missed heartbeats), `shutdown` (the daemon stops).
         `max_sessions`: open at once, a quarter of them per credential (a client that
         heartbeats could otherwise hold any number)."""
@@ -104,8 +106,10 @@ class SessionManager:
         self._reaper.start()
 
     def open(self, namespace: str, pool: Pool, client_name: str, *, token: str | None = None,
-             tls_identity: tuple[bytes, ...] | None = None, local: bool = True) -> Session:
-        session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name, token, tls_identity, local)
+             tls_identity: tuple[bytes, ...] | None = None, local: bool = True,
+             engine: EngineIdentity | None = None) -> Session:
+        session = Session(SessionId(secrets.token_hex(16)), namespace, pool, client_name, token, tls_identity, local,
+                          engine=engine)
         with self._lock:
             self._check_room(session)
             self._sessions[session.session_id] = session
@@ -197,7 +201,7 @@ class SessionManager:
             raise NotFound("unknown session: it already ended; register again")
         released = session.pool.store.end_session(session.session_id)
         log.info("session ended", extra={"session": short_session(session_id), "reason": reason, "released_leases": released})
-        self._on_end(reason)
+        self._on_end(session, reason)
         self._on_release()
         return released
 

@@ -22,13 +22,15 @@ import pytest
 import zmq
 from kvtier_client import KVTierClient, PageLayout, frames
 from kvtier_client.errors import PermissionDenied, Unauthenticated
+from kvtier_client.event_media import DEFAULT_MEDIA as MEDIUM
 from kvtier_client.events import EventKind, EventStream, KVEvent
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import tier_from_proto
 from rpc import KVTIER, expect_code, free_port, scrape, value, wait_for
 
-from kvtier.events import MEDIUM, EventPublisher
+from kvtier.core.held import HeldCopy
+from kvtier.events import EventPublisher, Topics
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -217,10 +219,10 @@ def test_batches_carry_each_chain_with_its_token_ids_over_the_lane_and_grpc(node
     def stored(medium: str) -> list[tuple]:
         return [b for b in blocks(router.of("kv@node1@model-a")) if b[:2] == ("stored", medium)]
 
-    wait_for(lambda: router.receive(0.05) or len(stored("STORAGE")) == 6, WAIT, "six blocks written to disk")
+    wait_for(lambda: router.receive(0.05) or len(stored("DISK")) == 6, WAIT, "six blocks written to disk")
     expected = [(keys[i], keys[i - 1] if i else None, tokens[i * BLOCK:(i + 1) * BLOCK] if i < 5 else [])
                 for i in range(6)]
-    for medium in ("CPU", "STORAGE"):  # host, then disk (write-through)
+    for medium in ("CPU", "DISK"):  # host, then disk (write-through)
         found = stored(medium)
         assert [(key, parent, ids) for _, _, _, key, parent, ids in found] == expected
         assert {locality for _, _, locality, _, _, _ in found} == {None}  # this node's own tiers, as vLLM's GPU events
@@ -316,23 +318,30 @@ def test_kvtier_events_command_prints_them_live(node1):
 
 
 def test_array_layout_close_and_slow_watchers_in_process():
-    """The publisher on its own: the positional layout llm-d parses, a watcher that falls
-    behind, and AllBlocksCleared to every namespace at close."""
+    """The publisher on its own: the positional layout llm-d parses, the cluster tier under
+    the shared topic, a watcher that falls behind, and the host copies taken back at close."""
     with tempfile.TemporaryDirectory(dir="/tmp") as directory:  # an ipc:// path must be short
         endpoint = f"ipc://{directory}/events"
-        publisher = EventPublisher(endpoint, topic="kv@pod-1@{namespace}", layout="array")
+        publisher = EventPublisher(endpoint, topics=Topics("kv@pod-1@{namespace}", "kv@shared@{namespace}"),
+                                   layout="array")
         context = zmq.Context()
         sub = context.socket(zmq.SUB)
         sub.connect(endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod-1@")
-        sink = publisher.sink(2)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        held = [HeldCopy(Tier.HOST, "ns", b"k1", None, (1, 2))]
+        sink = publisher.sink(2, lambda namespace: held)
         try:
             for _ in range(100):  # until the subscription is in place
                 sink.removed(Tier.HOST, "warm-up", b"w")
                 if sub.poll(50):
                     break
-            while sub.poll(100):
-                sub.recv_multipart()
+            told = []  # the subscription was heard: the whole state (what `held` says) was told
+            while sub.poll(300):
+                topic, seq, payload = sub.recv_multipart()
+                told += [(topic, seq, e) for e in msgspec.msgpack.decode(payload)[1]]
+            assert (b"kv@pod-1@ns", (0).to_bytes(8, "big"),
+                    ["BlockStored", [b"k1"], None, [1, 2], 2, None, "CPU", None, None, None, None, None, None,
+                     "kvtier"]) in told
             slow = publisher.watch(lambda namespace: namespace == "ns")
             slow.capacity = 1  # block events it may have waiting
             sink.stored(Tier.HOST, "ns", b"k1", None, (1, 2))
@@ -341,17 +350,21 @@ def test_array_layout_close_and_slow_watchers_in_process():
             events, seqs = [], []
             while len(events) < 3:
                 topic, seq, payload = sub.recv_multipart()
-                assert topic == b"kv@pod-1@ns"
+                if topic == b"kv@pod-1@warm-up":
+                    continue
+                assert topic == (b"kv@shared@ns" if len(events) == 2 else b"kv@pod-1@ns")  # the cluster is shared
                 seqs.append(int.from_bytes(seq, "big"))
                 events += msgspec.msgpack.decode(payload)[1]
-            assert seqs == list(range(len(seqs)))
+            assert seqs == [1, 0]  # per topic, after the state told on subscribing
             # llm-d's engineadapter/vllm_adapter.go reads these positions: tag, hashes, parent,
             # token ids, block size, lora id, medium, lora name, extra keys, group, kind, window;
             # Dynamo's zmq_wire then locality.
+            # Dynamo's zmq_wire then locality and ownership.
             assert events == [
-                ["BlockStored", [b"k1"], None, [1, 2], 2, None, "CPU", None, None, None, None, None, None],
-                ["BlockRemoved", [b"k0"], "STORAGE", None, None],
-                ["BlockStored", [b"k2"], b"k1", [], 2, None, "STORAGE", None, None, None, None, None, "REMOTE"],
+                ["BlockStored", [b"k1"], None, [1, 2], 2, None, "CPU", None, None, None, None, None, None, "kvtier"],
+                ["BlockRemoved", [b"k0"], "DISK", None, None, "kvtier"],
+                ["BlockStored", [b"k2"], b"k1", [], 2, None, "SHARED", None, None, None, None, None, "REMOTE",
+                 "kvtier"],
             ]
             kept = missed = 0
             while kept + missed < 3:
@@ -368,7 +381,7 @@ def test_array_layout_close_and_slow_watchers_in_process():
                     break
             sub.close(linger=0)
             context.term()
-        assert last[b"kv@pod-1@ns"] == [["AllBlocksCleared"]]
+        assert last[b"kv@pod-1@ns"] == [["BlockRemoved", [b"k1"], "CPU", None, None, "kvtier"]]  # what it held
         assert slow.next() is None  # the watch ended with the publisher
         stats = publisher.stats()
         assert (stats.dropped, stats.watchers, stats.watcher_missed) == (0, 0, missed)
@@ -414,9 +427,9 @@ def test_vllm_reads_which_blocks_each_node_holds_in_each_tier(vllm_decoder, node
         holding = {medium: blocks_ for medium, blocks_ in decoded[f"{node}/{namespace}"].items() if blocks_}
         assert {medium: len(b) for medium, b in holding.items()} == pages(node, namespace)
         for i, (key, tier) in enumerate(zip(keys, tiers)):
-            fastest = next(m for m in ("CPU", "STORAGE") if key.hex() in holding.get(m, {}))
+            fastest = next(m for m in ("CPU", "DISK") if key.hex() in holding.get(m, {}))
             assert fastest == MEDIUM[tier]
             assert all(ids == tokens[i * BLOCK:(i + 1) * BLOCK] for m in holding.values() if key.hex() in m
                        for ids in [m[key.hex()]])
     assert set(decoded["node1/model-x"]["CPU"]) == {k.hex() for k in x_keys[2:]}
-    assert set(decoded["node1/model-x"]["STORAGE"]) == {k.hex() for k in x_keys}
+    assert set(decoded["node1/model-x"]["DISK"]) == {k.hex() for k in x_keys}

@@ -88,18 +88,22 @@ class PageLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., order: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "hash_algorithm", "hash_fingerprint", "client_name")
+    __slots__ = ("namespace", "layout", "hash_algorithm", "hash_fingerprint", "client_name", "engine_endpoint", "served_model")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: PageLayout
     hash_algorithm: str
     hash_fingerprint: str
     client_name: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., hash_algorithm: _Optional[str] = ..., hash_fingerprint: _Optional[str] = ..., client_name: _Optional[str] = ...) -> None: ...
+    engine_endpoint: str
+    served_model: str
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., hash_algorithm: _Optional[str] = ..., hash_fingerprint: _Optional[str] = ..., client_name: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., served_model: _Optional[str] = ...) -> None: ...
 
 class TierInfo(_message.Message):
     __slots__ = ("tier", "capacity_pages")
