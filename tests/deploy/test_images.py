@@ -488,8 +488,7 @@ def _kill_and_restart(pod: Pod, script: Path) -> tuple[dict, float]:
     first, _ = pod.start_daemon("kvtier")
     assert pod.pages(script, "write") == {"written": POD_PAGES}
     subprocess.run(["podman", "kill", first], check=True, capture_output=True, timeout=60)
-    subprocess.run(["podman", "wait", first], capture_output=True, timeout=60)
-    subprocess.run(["podman", "rm", first], check=True, capture_output=True, timeout=60)
+    subprocess.run(["podman", "wait", first], capture_output=True, timeout=60)  # kept: its logs
     _, seconds = pod.start_daemon("kvtier-restarted")
     return pod.pages(script, "read"), seconds
 
