@@ -128,7 +128,8 @@ class _NamespaceCollector:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["pool", "namespace", "tier"]
+        # kvtier_namespace, not namespace: Prometheus adds the Kubernetes namespace as `namespace`.
+        labels = ["pool", "kvtier_namespace", "tier"]
         pages = GaugeMetricFamily(
             "kvtier_namespace_pages", "Pages a namespace holds in a tier (host: cached plus borrowed for writing).",
             labels=labels,
@@ -144,7 +145,7 @@ class _NamespaceCollector:
                                         labels=labels)
         misses = CounterMetricFamily(
             "kvtier_misses", f"Looked-up blocks not served, by reason: {', '.join(r.value for r in MissReason)}.",
-            labels=["pool", "namespace", "reason"],
+            labels=["pool", "kvtier_namespace", "reason"],
         )
         for pool, stats in self._snapshot():
             for ns in stats.namespaces:

@@ -127,7 +127,7 @@ def test_explain_counts_nothing_and_lookup_counts_reasons(history):
     _, families = scrape(port)
     for reason, count in after.misses.items():
         if count:
-            assert value(families, "kvtier_misses_total", pool=pool, namespace="ex", reason=reason) == count
+            assert value(families, "kvtier_misses_total", pool=pool, kvtier_namespace="ex", reason=reason) == count
 
 
 def test_stats_why_with_keys(history):

@@ -154,15 +154,15 @@ def test_a_namespace_at_its_maximum_evicts_its_own_pages(capped, connect):
     assert host(before).pages == 16 and host(before).evictions == 0
 
     _, families = scrape(port)
-    labels = {"pool": pool, "namespace": "capped"}
+    labels = {"pool": pool, "kvtier_namespace": "capped"}
     assert value(families, "kvtier_namespace_pages", **labels, tier="host") == 8
     assert value(families, "kvtier_namespace_pages", **labels, tier="disk") == 8
     assert value(families, "kvtier_namespace_quota_pages", **labels, tier="host", kind="max") == 8
     assert value(families, "kvtier_namespace_evictions_total", **labels, tier="host") == 8
     assert value(families, "kvtier_namespace_hits_total", **labels, tier="host") == 8
     assert value(families, "kvtier_namespace_hits_total", **labels, tier="disk") == 8
-    assert value(families, "kvtier_namespace_evictions_total", pool=pool, namespace="bystander", tier="host") == 0
-    assert value(families, "kvtier_namespace_pages", pool=pool, namespace="bystander", tier="host") == 16
+    assert value(families, "kvtier_namespace_evictions_total", pool=pool, kvtier_namespace="bystander", tier="host") == 0
+    assert value(families, "kvtier_namespace_pages", pool=pool, kvtier_namespace="bystander", tier="host") == 16
 
     out = run_kvtier("stats", "--socket", str(d.socket), env={"KVTIER_TOKEN": ADMIN})
     assert out.returncode == 0, out.stderr
