@@ -476,3 +476,26 @@ def test_examples_hold_what_the_library_renders():
     names = {v["name"] for v in volumes}
     for c in inits:
         assert {m["name"] for m in c["volumeMounts"]} <= names, c["name"]
+
+
+def test_readme_lists_every_value():
+    """deploy/helm/kvtier/README.md's table names every value of values.yaml (a block of
+    Kubernetes fields or of the daemon's options by its own name)."""
+    readme = (HELM_CHART / "README.md").read_text()
+    schema = json.loads((HELM_CHART / "values.schema.json").read_text())
+
+    def paths(node: dict, prefix: str = ""):
+        for key, sub in node.get("properties", {}).items():
+            path = f"{prefix}{key}"
+            if path in ("global", "kvtier-sidecar"):
+                continue
+            if "properties" in sub and path != "config" and not path.startswith("image."):
+                yield from paths(sub, path + ".")
+            else:
+                yield path
+
+    documented = set(re.findall(r"`([A-Za-z][A-Za-z0-9.]*)`", readme))
+    for path in paths(schema):
+        parent, _, leaf = path.rpartition(".")
+        assert path in documented or f"{parent}.{leaf}" in readme or f"`.{leaf}`" in readme, \
+            f"{path} is not in deploy/helm/kvtier/README.md"
