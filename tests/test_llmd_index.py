@@ -1,4 +1,4 @@
-"""tests/llmd_index.py, the Python model of llm-d's KV-event path, checked against llm-d's
+"""tests/llmd_index.py and llmd_events.py, the Python model of llm-d's KV-event path, checked against llm-d's
 own vectors and Go tests (ported case by case, named after them), fed with batches that
 kvtier's encoder and vLLM's own event classes make."""
 from __future__ import annotations
@@ -12,17 +12,14 @@ import msgspec
 import pytest
 from kvtier_client.event_media import DEFAULT_MEDIA
 from kvtier_client.tiers import Tier
+from llmd_events import DecodeError, decode_batch, engine_key, parse_topic
 from llmd_index import (
-    DecodeError,
     LlmdIndex,
     PodEntry,
     cbor,
-    decode_batch,
-    engine_key,
     fnv64a,
     longest_prefix_score,
     normalize_tier,
-    parse_topic,
 )
 
 from kvtier.events.records import Event, EventKind
