@@ -275,6 +275,10 @@ class _EventsCollector:
         published = CounterMetricFamily(
             "kvtier_events_published", "Block events (a copy arriving in or leaving a tier) sent over ZMQ.")
         published.add_metric([], stats.published)
+        reannounced = CounterMetricFamily(
+            "kvtier_events_reannounced", "Block events sent over ZMQ to tell the whole state again (a subscriber or "
+            "an engine joined, the events_reannounce timer, the host copies taken back at a stop).")
+        reannounced.add_metric([], stats.reannounced)
         dropped = CounterMetricFamily(
             "kvtier_events_dropped",
             "Block events not delivered, by where: buffer (the publisher fell behind; lost for every consumer) or "
@@ -283,7 +287,7 @@ class _EventsCollector:
         dropped.add_metric(["watcher"], stats.watcher_missed)
         watchers = GaugeMetricFamily("kvtier_events_watchers", "Open WatchEvents streams.")
         watchers.add_metric([], stats.watchers)
-        yield from (published, dropped, watchers)
+        yield from (published, reannounced, dropped, watchers)
 
 
 class Metrics:
