@@ -499,3 +499,31 @@ def test_readme_lists_every_value():
         parent, _, leaf = path.rpartition(".")
         assert path in documented or f"{parent}.{leaf}" in readme or f"`.{leaf}`" in readme, \
             f"{path} is not in deploy/helm/kvtier/README.md"
+
+
+def test_packaged_chart_carries_the_library(tmp_path):
+    """`helm package` follows charts/kvtier-sidecar (a link to the library): the archive renders."""
+    archive = helm.package(str(HELM_CHART), destination=str(tmp_path))
+    out = helm.Chart.load(archive).render({"mode": "node"}, name="llm")
+    assert "kvtier/templates/daemonset.yaml" in out and "kind: DaemonSet" in out["kvtier/templates/daemonset.yaml"]
+
+
+def test_library_readme_snippet_renders(tmp_path):
+    """The library README's "From your own chart" snippet, as a user's chart, renders a pod
+    with the keeper, the daemon and the engine wired to them."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (LIBRARY / "README.md").read_text(), re.DOTALL)
+    chart_yaml = next(b for b in blocks if b.startswith("# Chart.yaml"))
+    fragment = next(b for b in blocks if b.startswith("# templates/deployment.yaml"))
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "charts").mkdir()
+    (tmp_path / "charts" / "kvtier-sidecar").symlink_to(LIBRARY)
+    (tmp_path / "Chart.yaml").write_text("apiVersion: v2\nname: user\nversion: 0.1.0\n" + chart_yaml)
+    (tmp_path / "templates" / "deployment.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: engine}\nspec:\n  template:\n" + fragment)
+    out = helm.Chart.load(str(tmp_path)).render({"kvtier": {"cache": {"mode": "emptyDir"}}}, name="r")
+    spec = yaml.safe_load(out["user/templates/deployment.yaml"])["spec"]["template"]["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["kvtier-keeper", "kvtier"]
+    assert {v["name"] for v in spec["volumes"]} >= {"kvtier-run", "keeper", "kvtier-cache"}
+    (vllm,) = spec["containers"]
+    assert vllm["env"] == [{"name": "KVTIER_TARGET", "value": "unix:///run/kvtier/kvtier.sock"}]
+    assert json.loads(vllm["args"][0].split("=", 1)[1])["kv_connector"] == "KVTierConnector"
