@@ -263,6 +263,29 @@ def test_duplicate_store_survives_the_first_remove():
     assert index.request_key_of(keys[0]) is None
 
 
+def test_every_reannouncement_adds_a_remove_llm_d_waits_for():
+    """The dedup filter counts every BlockStored that lands, repeats included: a block told
+    once and re-announced twice stays credited after its one BlockRemoved."""
+    index = LlmdIndex()
+    ids, keys = tokens(32), [key(1), key(2)]
+    for _ in range(3):  # the first store, then two re-announcements of the whole state
+        publish(index, stored(Tier.HOST, keys, ids))
+    publish(index, removed(Tier.HOST, keys))
+    assert index.score(MODEL, ids) == {POD: pytest.approx(1.6)}
+
+
+def test_two_publishers_of_one_medium_under_one_pod_share_one_entry():
+    """PodEntry is (pod, tier): when vLLM and kvtier both say GPU under one pod id, either's
+    BlockRemoved takes the credit for both copies of the same tokens."""
+    index = LlmdIndex()
+    ids = tokens(32)
+    vllm_store = ["BlockStored", [1 << 40, (1 << 40) + 1], None, ids, 16, None, "GPU", None]
+    index.feed(TOPIC, SEQ, msgspec.msgpack.encode([0.0, [vllm_store], 0]))
+    publish(index, stored(Tier.DEVICE, [key(1), key(2)], ids))
+    publish(index, removed(Tier.DEVICE, [key(1), key(2)]))
+    assert index.score(MODEL, ids) == {}
+
+
 def test_all_blocks_cleared_clears_one_pod_and_its_reference_counts():
     """TestAllBlocksCleared_Dispatch and TestPool_AllBlocksClearedResetsDedup."""
     index = LlmdIndex()
@@ -300,6 +323,17 @@ def test_lora_name_replaces_the_model_in_the_keys():
     index.feed(TOPIC, SEQ, msgspec.msgpack.encode([0.0, [event], 0]))
     assert index.score(MODEL, tokens(16)) == {}
     assert index.score(MODEL, tokens(16), lora_name="my-adapter") == {POD: 1.0}
+
+
+def test_the_shared_storage_pseudo_pod_is_credited_to_no_endpoint():
+    """kv@SHARED_STORAGE@<model> (llm-d's own shared-storage publisher's topic) indexes its
+    blocks under the pod id SHARED_STORAGE; the producer looks up only the candidate
+    endpoints' `<address>:<port>` (utils.go extractEndpointSet), so no endpoint gains."""
+    index = LlmdIndex()
+    ids = tokens(32)
+    publish(index, stored(Tier.CLUSTER, [key(1), key(2)], ids), topic=f"kv@SHARED_STORAGE@{MODEL}".encode())
+    assert index.score(MODEL, ids) == {"SHARED_STORAGE": 2.0}
+    assert index.score(MODEL, ids, pods=[POD, POD_B]) == {}
 
 
 def test_a_key_keeps_the_ten_latest_pod_entries():
