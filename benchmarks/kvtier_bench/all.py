@@ -14,6 +14,8 @@
     cluster  put/get of pages through the cluster tier on a loopback    redis-py's pipelined
              Redis Cluster; the trace round-robin over two daemons,     SET/GET; the same daemons
              hit rate with --cluster                                    without --cluster
+    node     hit rate of 4 engine processes on one node-wide daemon vs  4 private daemons
+             4 private daemons with the same memory (Mooncake trace)    with round-robin
     e2e      time to first token on CPU: full prefill vs restored       full prefill
              from host and from disk (kvtier_bench.e2e)
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from kvtier_bench.harness import KiB, MiB, default_out, describe_machine, format_size, machine_description
 
-SECTIONS = ("tiers", "rpc", "peers", "trace", "cluster", "e2e")
+SECTIONS = ("tiers", "rpc", "peers", "trace", "cluster", "node", "e2e")
 #: Page sizes of the tiers and peers sections: a per-layer vLLM block of Llama-3-8B
 #: (16 tokens x 8 KV heads x 128 x K/V x fp16), a Llama-3.2-1B page and a Llama-3-8B page.
 PAGE_SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
@@ -73,13 +75,15 @@ class Settings:
     cluster_pages: int | None = None  # None: the cluster default (256 MiB, 64 MiB quick) worth per size
     cluster_reps: int | None = None
     cluster_requests: int | None = 1000  # of the trace (trace_path), round-robin over two daemons; None: all
+    node_requests: int | None = None  # of the trace (trace_path) over 4 engines; None: all
+    node_fractions: tuple[float, ...] = (0.25,)  # one capacity here; `kvtier bench node` sweeps three
     e2e_kwargs: dict = field(default_factory=dict)
     directory: str | None = None  # disk benchmarks' directory (default /var/tmp)
 
     @classmethod
     def for_mode(cls, quick: bool) -> Settings:
         if quick:
-            return cls(tiers_reps=5, rpc_iterations=300, rpc_seconds=1.0)
+            return cls(tiers_reps=5, rpc_iterations=300, rpc_seconds=1.0, node_requests=3000)
         return cls()
 
 
@@ -137,6 +141,15 @@ def _section_cluster(s: Settings, quick: bool, progress) -> tuple[dict, str, obj
     return {"ran": True, **result.as_dict()}, cluster.format_markdown(result), result
 
 
+def _section_node(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
+    from kvtier_bench.node import DEFAULT_TRACE, run_node
+    from kvtier_bench.node_report import format_markdown
+
+    result = run_node(s.trace_path or DEFAULT_TRACE, requests=s.node_requests, fractions=s.node_fractions,
+                      directory=s.directory, progress=progress)
+    return result.as_dict(), format_markdown(result), result
+
+
 def _section_e2e(s: Settings, quick: bool, progress) -> tuple[dict, str, object]:
     from kvtier_bench import e2e  # torch and transformers: imported only when this section runs
 
@@ -150,6 +163,7 @@ RUNNERS: dict[str, Callable[[Settings, bool, Callable[[str], None]], tuple[dict,
     "peers": _section_peers,
     "trace": _section_trace,
     "cluster": _section_cluster,
+    "node": _section_node,
     "e2e": _section_e2e,
 }
 
@@ -397,6 +411,7 @@ SECTION_TITLES = {
     "peers": "Peers: kvtier vs Redis, Mooncake Store, LMCache and plain gRPC",
     "trace": "Trace: block hit rate vs capacity (Mooncake conversation trace)",
     "cluster": "Cluster: the cluster tier vs redis-py; two nodes' hit rate with and without it",
+    "node": "Node: one node-wide daemon vs one daemon per engine, same memory (Mooncake trace)",
     "e2e": "End to end: time to first token on CPU",
 }
 

@@ -14,6 +14,7 @@ import click
 from kvtier_bench import all as all_bench
 from kvtier_bench import cluster as cluster_bench
 from kvtier_bench import disk as disk_bench
+from kvtier_bench import node as node_bench
 from kvtier_bench import procs as procs_bench
 from kvtier_bench import trace as trace_bench
 from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
@@ -329,6 +330,48 @@ def cluster_command(pages: int | None, page_sizes: tuple[int, ...], reps: int | 
     click.echo(json.dumps(result.as_dict()) if as_json else cluster_bench.format_table(result))
 
 
+@bench.command("node", short_help="One node-wide daemon vs one daemon per engine, same memory (Mooncake trace).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=str(trace_bench.DEFAULT_TRACE),
+              show_default=True, help="A Mooncake-format trace (JSON lines with timestamp and hash_ids).")
+@click.option("--requests", type=click.IntRange(min=node_bench.ENGINES), default=None,
+              help="Replay only the first REQUESTS requests by time  [default: all of them]")
+@click.option("--fraction", "fractions", type=click.FloatRange(min=0, max=1, min_open=True), multiple=True,
+              help="Host pages of all daemons together, as a share of the trace's distinct blocks; repeatable  "
+                   "[default: 0.1, 0.25 and 0.5]")
+@click.option("--disk-factor", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Each daemon also has a disk tier of this many times its host pages.")
+@click.option("--setup", "setups", type=click.Choice(node_bench.SETUP_NAMES), multiple=True,
+              help="Only these setups; repeatable  [default: all]")
+@click.option("--policy", type=click.Choice(trace_bench.POLICIES), default=None,
+              help="The daemons' eviction policy  [default: the daemon's default]")
+@click.option("--save", "save", type=click.Path(dir_okay=False), default=None,
+              help="Also write SAVE.json, SAVE.md and SAVE.png (e.g. benchmarks/results/<date>/node).")
+@click.option("--dir", "directory", type=click.Path(exists=True, file_okay=False, writable=True),
+              help="Where the daemons' cache directories go  [default: /var/tmp]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def node_command(trace_path: str, requests: int | None, fractions: tuple[float, ...], disk_factor: int,
+                 setups: tuple[str, ...], policy: str | None, save: str | None, directory: str | None,
+                 as_json: bool) -> None:
+    """Four engine processes on one node, the Mooncake trace's requests in time order, with the
+    same total memory: one shared `kvtier serve` for all four (one namespace, round-robin
+    routing) against four private daemons, one per engine (round-robin, and behind a
+    prefix-affinity router). Block hit rate, its ratio to the private daemons', prefill
+    tokens saved and wall time at each capacity."""
+    from kvtier_bench import node_report
+
+    try:
+        with _stop_on_sigterm():
+            result = node_bench.run_node(trace_path, requests=requests, fractions=fractions or node_bench.FRACTIONS,
+                                         disk_factor=disk_factor, setups=setups or node_bench.SETUP_NAMES,
+                                         policy=policy, directory=os.path.abspath(directory) if directory else None,
+                                         progress=progress_lines(as_json))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if save:
+        node_report.save(result, save)
+    click.echo(json.dumps(result.as_dict()) if as_json else node_report.format_table(result))
+
+
 @bench.command("all", short_help="Every benchmark in one run, with results and plots.")
 @click.option("--quick", is_flag=True, help="Every section smaller: under 10 minutes on 2 cores.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
@@ -340,7 +383,7 @@ def cluster_command(pages: int | None, page_sizes: tuple[int, ...], reps: int | 
               help="Where the disk tiers and raw files go  [default: /var/tmp]")
 def all_command(quick: bool, out: str | None, sections: tuple[str, ...], skip: tuple[str, ...],
                 directory: str | None) -> None:
-    """Every benchmark (tiers, rpc, peers, trace, cluster, e2e) in one run: results.json, results.md and
+    """Every benchmark (tiers, rpc, peers, trace, cluster, node, e2e) in one run: results.json, results.md and
     PNG plots in one directory, the machine described, each figure against a baseline from the
     same run. Progress goes to stderr; a section that fails records its error and the rest runs."""
     chosen = [s for s in (sections or all_bench.SECTIONS) if s not in skip]
