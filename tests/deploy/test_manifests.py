@@ -2,10 +2,15 @@
 
 Each variant (the CPU default base and the overlays) is rendered with `kubectl kustomize`
 (kustomize built into kubectl; no cluster needed) and its objects are checked for what the
-deployment must get right: the daemon is a native sidecar, its cache directory is its own
-per pod, memory and /dev/shm cover every pool, probes hit /healthz and /readyz on the
-metrics port, the grace period covers drain and persist, the security context is tight, and
-the GPU, tokens and monitoring parts are wired together. `kubectl create --dry-run=client`
+deployment must get right: the daemon is a native sidecar after its arena keeper, its cache
+directory is its own per pod, memory and /dev/shm cover every pool, probes hit /healthz and
+/readyz on the metrics port, the grace period covers drain and persist, the security context
+is tight (the engine's too), and the GPU, tokens, events, monitoring (alerts included),
+network policy, disruption budget and placement parts are wired together. The other two
+deployments are rendered and checked the same way: kvtier added to the engine pods of other
+charts (deploy/k8s/examples: llm-d's model service, KServe, the vLLM production stack, each
+from a checked-in copy of the chart's rendered engine workload) and the node-wide daemon
+(deploy/k8s/node, with the engine of deploy/k8s/examples/node-engine). `kubectl create --dry-run=client`
 needs an API server even for client-side dry runs, so object schemas are checked here by
 hand: the fields each kind requires and the references between them.
 
@@ -53,6 +58,15 @@ HELM_VALUES = {
                                    "drainTimeoutSeconds": 60}, "config": {"policy": "lru"}},
 }
 ALL_VARIANTS = list(VARIANTS) + list(HELM_VALUES)
+#: kvtier added by components/sidecar(-kserve) to another chart's engine workload: (the
+#: example, the rendered copy of the chart's workload it takes, the engine container's name).
+CHARTS = {
+    "llm-d": (K8S / "examples" / "llm-d", "modelservice-decode.yaml", "vllm"),
+    "kserve": (K8S / "examples" / "kserve", "inferenceservice.yaml", "kserve-container"),
+    "production-stack": (K8S / "examples" / "production-stack", "vllm-deployment.yaml", "vllm"),
+}
+#: The node-wide daemon and an engine that uses it.
+NODE = {"node": K8S / "node", "node-engine": K8S / "examples" / "node-engine"}
 GPU = {"gpu", "production", "helm-gpu", "helm-production"}
 TOKENS = {"tokens", "production", "helm-tokens", "helm-production"}
 MONITORING = {"monitoring", "production", "helm-monitoring", "helm-production"}
@@ -73,9 +87,9 @@ def render(variant: str) -> tuple[dict, ...]:
         return render_helm(variant)
     if KUBECTL is None:
         pytest.skip("kubectl (with its built-in kustomize) is not installed")
-    out = subprocess.run([KUBECTL, "kustomize", str(VARIANTS[variant])], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {VARIANTS[variant]} failed:\n{out.stderr}"
+    path = VARIANTS.get(variant) or NODE.get(variant) or CHARTS[variant][0]
+    out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc is not None)
 
 
@@ -121,12 +135,34 @@ def one(docs, kind: str) -> dict:
     return found[0]
 
 
+def pod_of(obj: dict) -> dict:
+    """The pod spec of a workload, or of an InferenceService's predictor."""
+    return obj["spec"]["predictor"] if obj["kind"] == "InferenceService" else obj["spec"]["template"]["spec"]
+
+
+def has_container(obj: dict, name: str) -> bool:
+    if obj["kind"] not in ("StatefulSet", "Deployment", "DaemonSet", "InferenceService"):
+        return False
+    return any(c["name"] == name for c in all_containers(pod_of(obj)))
+
+
+def kvtier_workload(docs) -> dict:
+    """The one object whose pods run the kvtier daemon."""
+    found = [d for d in docs if has_container(d, "kvtier")]
+    assert len(found) == 1, f"expected one workload with a kvtier container, found {len(found)}"
+    return found[0]
+
+
 def pod_spec(docs) -> dict:
-    return one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    return pod_of(kvtier_workload(docs))
+
+
+def all_containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec.get("containers", [])
 
 
 def container(spec: dict, name: str) -> dict:
-    for c in spec.get("initContainers", []) + spec.get("containers", []):
+    for c in all_containers(spec):
         if c["name"] == name:
             return c
     raise AssertionError(f"no container {name!r}")
@@ -191,7 +227,7 @@ def volume(docs, name: str) -> dict:
     for v in pod_spec(docs).get("volumes", []):
         if v["name"] == name:
             return v
-    for t in one(docs, "StatefulSet")["spec"].get("volumeClaimTemplates", []):
+    for t in kvtier_workload(docs)["spec"].get("volumeClaimTemplates", []):
         if t["metadata"]["name"] == name:
             return {"name": name, "claimTemplate": t}
     raise AssertionError(f"no volume {name!r}")
@@ -213,7 +249,7 @@ def check_objects(docs) -> None:
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", d["metadata"]["name"]), d["metadata"]["name"]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("StatefulSet") == 1 and kinds.count("Service") == 1
-    assert kinds.count("ConfigMap") == 1
+    assert kinds.count("ConfigMap") == 1 and kinds.count("PodDisruptionBudget") <= 1
     assert "Pod" not in kinds and "Deployment" not in kinds
 
 
@@ -224,8 +260,10 @@ def check_native_sidecar(docs) -> None:
     assert "kvtier" in inits and "kvtier" not in mains, "kvtier must be an init container"
     assert inits["kvtier"].get("restartPolicy") == "Always", "a native sidecar has restartPolicy Always"
     assert "engine" in mains
-    names = list(inits) + list(mains)
+    names = [c["name"] for c in all_containers(spec)]
     assert len(names) == len(set(names)), "container names must be unique in a pod"
+    if "kvtier-keeper" in inits:  # started before the daemon, stopped after it
+        assert names.index("kvtier-keeper") < names.index("kvtier"), names
 
 
 def check_args(docs) -> None:
@@ -358,8 +396,7 @@ def check_socket_shared(docs) -> None:
 
 def check_schema(docs) -> None:
     """What the API server would refuse, checked by hand (no server here)."""
-    sts = one(docs, "StatefulSet")
-    spec = sts["spec"]
+    spec = one(docs, "StatefulSet")["spec"]
     pod = spec["template"]["spec"]
     labels = spec["template"]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"] and spec["selector"]["matchLabels"].items() <= labels.items()
@@ -434,7 +471,7 @@ def test_variants_differ_as_intended():
     base = daemon_config(render("cpu"))
     assert "KVTIER_DEVICE_SIZE" not in base and "KVTIER_TOKENS_FILE" not in base
     prod = daemon_config(render("production"))
-    assert (prod["KVTIER_HOST_SIZE"], prod["KVTIER_MAX_POOLS"], prod["KVTIER_POLICY"]) == ("48GiB", "2", "lru")
+    assert (prod["KVTIER_HOST_SIZE"], prod["KVTIER_MAX_POOLS"], prod["KVTIER_POLICY"]) == ("48GiB", "2", "frecency")
     # A changed option changes the generated ConfigMap's name, so the pods roll.
     maps = {v: one(render(v), "ConfigMap") for v in VARIANTS}
     for a in VARIANTS:
@@ -551,3 +588,337 @@ def test_helm_chart_lints_and_derives_sizes():
 
     with pytest.raises(HelmError, match="cache.mode"):
         helm.Chart.load(str(HELM_CHART)).render({"cache": {"mode": "nfs"}}, name="llm")
+
+
+# -- every kvtier pod: keeper, identity, hardening -------------------------------------------
+KUSTOMIZE_KVTIER_PODS = [*VARIANTS, *CHARTS, "node"]
+KEEPER_SOCKET = "/run/kvtier-keeper/keeper.sock"
+DAEMON_SC = {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": SHARED_GID,
+             "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def check_hardened(c: dict, pod: dict) -> None:
+    """Non-root, read-only root, no privilege escalation, no capabilities, RuntimeDefault."""
+    sc = c.get("securityContext", {})
+    for key, want in DAEMON_SC.items():
+        if key != "runAsUser":
+            assert sc.get(key) == want, (c["name"], key, sc.get(key))
+    assert sc.get("runAsUser", 0) != 0 and not sc.get("privileged")
+    seccomp = sc.get("seccompProfile") or pod.get("securityContext", {}).get("seccompProfile")
+    assert seccomp == {"type": "RuntimeDefault"}, c["name"]
+
+
+@pytest.mark.parametrize("variant", KUSTOMIZE_KVTIER_PODS)
+def test_keeper_container(variant):
+    """Warm restart in a pod: the arena keeper is a native sidecar of its own, before the
+    daemon, as the daemon's uid and hardened as it is, sharing only the keeper emptyDir."""
+    docs = render(variant)
+    pod = pod_spec(docs)
+    names = [c["name"] for c in all_containers(pod)]
+    keeper, daemon = container(pod, "kvtier-keeper"), container(pod, "kvtier")
+    assert keeper in pod["initContainers"] and keeper.get("restartPolicy") == "Always"
+    assert names.index("kvtier-keeper") < names.index("kvtier"), names
+    assert keeper["image"] == daemon["image"] and "command" not in keeper
+    assert keeper["args"] == ["keeper", "--socket", KEEPER_SOCKET, "--window", "5m"]
+    assert keeper["startupProbe"]["exec"]["command"] == ["kvtier", "keeper", "--check", "--socket", KEEPER_SOCKET]
+    check_hardened(keeper, pod)
+    assert {k: keeper["securityContext"].get(k) for k in DAEMON_SC} == {k: daemon["securityContext"].get(k) for k in DAEMON_SC}
+    res = keeper["resources"]
+    assert quantity(res["limits"]["memory"]) == quantity(res["requests"]["memory"]) == parse_size("64MiB")
+    assert quantity(res["requests"]["cpu"]) == 0.05
+    km, dm = mount_for(keeper, KEEPER_SOCKET), mount_for(daemon, KEEPER_SOCKET)
+    assert km and dm and km["name"] == dm["name"] == "keeper" and km["mountPath"] == "/run/kvtier-keeper"
+    vol = {v["name"]: v for v in pod["volumes"]}["keeper"]
+    assert "emptyDir" in vol
+    assert [c["name"] for c in all_containers(pod) if mount_for(c, KEEPER_SOCKET)] == ["kvtier-keeper", "kvtier"]
+    assert env_of(daemon)["KVTIER_KEEPER_SOCKET"]["value"] == KEEPER_SOCKET
+    assert daemon_config(docs)["KVTIER_KEEPER_SOCKET"] == KEEPER_SOCKET
+
+
+@pytest.mark.parametrize("variant", KUSTOMIZE_KVTIER_PODS)
+def test_identity_and_policy(variant):
+    """The daemon knows its pod IP, node and pod name (events, logs); the policy is the
+    daemon's default, frecency."""
+    docs = render(variant)
+    env = env_of(container(pod_spec(docs), "kvtier"))
+    for name, path in (("KVTIER_POD_IP", "status.podIP"), ("KVTIER_NODE_NAME", "spec.nodeName"),
+                       ("KVTIER_POD_NAME", "metadata.name")):
+        assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == path, name
+    assert daemon_config(docs).get("KVTIER_POLICY", "frecency") == "frecency"
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "node-engine"])
+def test_engine_hardened(variant):
+    """The engine container is hardened as the daemon's, under a uid of its own, with
+    emptyDirs for what vLLM writes (its home with the caches, /tmp)."""
+    docs = render(variant)
+    workload = next(d for d in docs if has_container(d, "engine"))
+    pod = pod_of(workload)
+    engine = container(pod, "engine")
+    check_hardened(engine, pod)
+    assert engine["securityContext"]["runAsUser"] not in (0, NON_ROOT_UID), "not the daemon's uid"
+    home = env_of(engine)["HOME"]["value"]
+    for path in (home, "/tmp", env_of(engine)["HF_HOME"]["value"]):
+        m = mount_for(engine, path)
+        assert m is not None, f"{path} is not writable with a read-only root"
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[m["name"]], path
+
+
+# -- PDB, placement, events, network policy, alerts ------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_pdb(variant):
+    docs = render(variant)
+    pdb = one(docs, "PodDisruptionBudget")
+    labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] and pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_production_placement():
+    docs = render("production")
+    pod = pod_spec(docs)
+    labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert pod["priorityClassName"] == one(docs, "PriorityClass")["metadata"]["name"]
+    assert pod["nodeSelector"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    keys = {c["topologyKey"] for c in pod["topologySpreadConstraints"]}
+    assert keys == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    for c in pod["topologySpreadConstraints"]:
+        assert c["labelSelector"]["matchLabels"].items() <= labels.items() and c["maxSkew"] == 1
+
+
+def test_events_on_in_production():
+    docs = render("production")
+    config = daemon_config(docs)
+    assert config["KVTIER_EVENTS"] == "tcp://*:5557" and config["KVTIER_EVENTS_NAMESPACES"]
+    ports = {p["name"]: p["containerPort"] for p in container(pod_spec(docs), "kvtier")["ports"]}
+    assert ports["kv-events"] == 5557
+    assert {"name": "kv-events", "port": 5557, "targetPort": "kv-events"} in one(docs, "Service")["spec"]["ports"]
+
+
+def check_network_policy(docs, pod_labels: dict, pod: dict) -> None:
+    """The policy selects the kvtier pods (and only pods with their labels), and lets the
+    metrics and events ports be reached only from named peers."""
+    policy = one(docs, "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector and selector.items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ports = {p["name"] for c in all_containers(pod) for p in c.get("ports", [])}
+    by_port = {}
+    for rule in policy["spec"]["ingress"]:
+        for p in rule["ports"]:
+            assert p["port"] in ports, f"the policy names port {p['port']}, which no container has"
+            by_port[p["port"]] = rule
+    for port in ("metrics", "kv-events"):
+        peers = by_port[port].get("from")
+        assert peers, f"{port} is open to every pod"
+        for peer in peers:
+            # kustomize must not have added the pods' own labels to the peers' selectors
+            assert not (peer["podSelector"]["matchLabels"].items() & pod_labels.items()), peer
+
+
+def test_network_policy_production():
+    docs = render("production")
+    check_network_policy(docs, one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"], pod_spec(docs))
+
+
+def documented_metrics() -> set[str]:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"`(kvtier_[a-z_]+)", text))
+
+
+@pytest.mark.parametrize("variant", sorted(MONITORING - {v for v in MONITORING if v.startswith("helm")}))
+def test_prometheus_rule(variant):
+    rule = one(render(variant), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"KvtierDown", "KvtierNotReady", "KvtierCorruptPages", "KvtierEventsDropped", "KvtierDiskErrors",
+            "KvtierDiskBacklog", "KvtierEvictingRecentPages", "KvtierLeasesHeld"} <= set(alerts)
+    known = documented_metrics()
+    for name, r in alerts.items():
+        expr = r["expr"]
+        assert expr.count("(") == expr.count(")"), name
+        used = set(re.findall(r"\b(kvtier_[a-z_]+)\b", re.sub(r"\b(?:by|on|ignoring)\s*\([^)]*\)", "", expr)))
+        assert used <= known, f"{name} uses metrics docs/metrics.md does not list: {used - known}"
+        assert "kvtier_namespace=" not in expr and not re.search(r"[{,]\s*namespace=", expr), name
+        assert r["labels"]["severity"] in {"critical", "warning", "info"}
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+        if "for" in r:
+            seconds(r["for"])
+
+
+# -- kvtier added to other charts' engine pods -----------------------------------------------
+def chart_input(chart: str) -> list[dict]:
+    path, name, _ = CHARTS[chart]
+    return [d for d in yaml.safe_load_all((path / name).read_text()) if d]
+
+
+def engine_command(c: dict) -> list[str]:
+    return c.get("command", []) + c.get("args", [])
+
+
+@pytest.mark.parametrize("chart", list(CHARTS))
+def test_sidecar_added_to_chart(chart):
+    docs = render(chart)
+    _, _, engine_name = CHARTS[chart]
+    workload = kvtier_workload(docs)
+    pod = pod_of(workload)
+    before = {(d["kind"], d["metadata"]["name"]): d for d in chart_input(chart)}
+    original = before[(workload["kind"], workload["metadata"]["name"])]
+    # The chart's pod is kept: every container, volume and env entry it had, as it had them.
+    for c in all_containers(pod_of(original)):
+        now = container(pod, c["name"])
+        for key in ("image", "command", "args", "ports", "resources", "restartPolicy"):
+            assert now.get(key) == c.get(key), (c["name"], key)
+        assert env_of(c).items() <= env_of(now).items(), c["name"]
+        assert all(m in now.get("volumeMounts", []) for m in c.get("volumeMounts", [])), c["name"]
+    assert all(v in pod["volumes"] for v in pod_of(original).get("volumes", []))
+    # Other objects of the chart are left alone.
+    for d in docs:
+        key = (d["kind"], d["metadata"]["name"])
+        if key in before and d is not workload:
+            assert d == before[key], key
+    # kvtier's containers: native sidecars, the keeper first, before the chart's own sidecars too.
+    names = [c["name"] for c in pod["initContainers"]]
+    assert names[:2] == ["kvtier-keeper", "kvtier"], names
+    daemon = container(pod, "kvtier")
+    assert daemon.get("restartPolicy") == "Always" and daemon["args"] == ["serve"] and "command" not in daemon
+    assert re.fullmatch(r"[^/]+/[^:]+:[^:]+", daemon["image"]), daemon["image"]
+    check_hardened(daemon, pod)
+    config = daemon_config(docs)
+    # The engine reaches the daemon's socket through the same emptyDir, as gid 2000.
+    engine = container(pod, engine_name)
+    sock_dir = os.path.dirname(config["KVTIER_SOCKET"])
+    dm, em = mount_for(daemon, sock_dir), mount_for(engine, sock_dir)
+    assert dm and em and dm["name"] == em["name"] and "emptyDir" in {v["name"]: v for v in pod["volumes"]}[dm["name"]]
+    assert env_of(engine)["KVTIER_TARGET"]["value"] == "unix://" + config["KVTIER_SOCKET"]
+    assert SHARED_GID in pod["securityContext"]["supplementalGroups"]
+    transfer = json.loads(next(a for a in engine_command(engine) if "KVTierConnector" in a).split("=", 1)[-1])
+    assert transfer["kv_connector"] == "KVTierConnector"
+    assert transfer["kv_connector_module_path"] == "kvtier_client.integrations.vllm"
+    # Sizes and their partners, the grace period, the probes.
+    cache = mount_for(daemon, config["KVTIER_CACHE_DIR"])
+    assert cache and cache["mountPath"] == config["KVTIER_CACHE_DIR"]
+    cache_vol = {v["name"]: v for v in pod["volumes"]}[cache["name"]]
+    assert quantity(cache_vol["emptyDir"]["sizeLimit"]) >= pools_bytes(config, "KVTIER_DISK_SIZE")
+    res = daemon["resources"]
+    assert quantity(res["limits"]["memory"]) >= pools_bytes(config, "KVTIER_HOST_SIZE") + DAEMON_OVERHEAD
+    assert res["requests"]["memory"] == res["limits"]["memory"]
+    assert quantity(res["requests"]["ephemeral-storage"]) >= quantity(cache_vol["emptyDir"]["sizeLimit"])
+    drain = seconds(config["KVTIER_DRAIN_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] >= ENGINE_STOP_S + 2 * drain
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert ports[daemon["readinessProbe"]["httpGet"]["port"]] == int(config["KVTIER_METRICS_PORT"])
+    pod_ports = [p["name"] for c in all_containers(pod) for p in c.get("ports", []) if "name" in p]
+    assert len(pod_ports) == len(set(pod_ports)), pod_ports
+    for path, probe in (("/healthz", "livenessProbe"), ("/readyz", "readinessProbe"), ("/readyz", "startupProbe")):
+        assert daemon[probe]["httpGet"]["path"] == path
+
+
+def test_sidecar_llm_d_events():
+    docs = render("llm-d")
+    config = daemon_config(docs)
+    assert config["KVTIER_EVENTS"] == "tcp://*:5557"
+    ports = {p["name"]: p["containerPort"] for p in container(pod_spec(docs), "kvtier")["ports"]}
+    assert ports["kv-events"] == 5557
+
+
+def test_sidecar_patches_agree():
+    """The Deployment patch and the InferenceService patch add the same pod parts."""
+    deployment = yaml.safe_load((K8S / "components" / "sidecar" / "deployment.yaml").read_text())
+    isvc = yaml.safe_load((K8S / "components" / "sidecar-kserve" / "inferenceservice.yaml").read_text())
+    a, b = deployment["spec"]["template"]["spec"], isvc["spec"]["predictor"]
+    for key in ("terminationGracePeriodSeconds", "securityContext", "volumes", "initContainers"):
+        assert a[key] == b[key], key
+    (ea,), (eb,) = a["containers"], b["containers"]
+    assert (ea["name"], eb["name"]) == ("vllm", "kserve-container")
+    assert {k: v for k, v in ea.items() if k != "name"} == {k: v for k, v in eb.items() if k != "name"}
+
+
+# -- the node-wide daemon --------------------------------------------------------------------
+NODE_SOCKET_DIR, NODE_CACHE_DIR = "/var/run/kvtier", "/var/lib/kvtier"
+
+
+def test_node_daemonset():
+    docs = render("node")
+    ds = one(docs, "DaemonSet")
+    pod = pod_of(ds)
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0, "never two daemons on one cache dir"
+    assert not any(pod.get(k) for k in ("hostIPC", "hostNetwork", "hostPID")), "memfds need no host namespaces"
+    daemon = container(pod, "kvtier")
+    assert daemon in pod["containers"] and [c["name"] for c in pod["containers"]] == ["kvtier"], "kvtier alone"
+    config = daemon_config(docs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    sock = mount_for(daemon, os.path.dirname(config["KVTIER_SOCKET"]))
+    assert sock["mountPath"] == "/run/kvtier" and config["KVTIER_SOCKET"] == "/run/kvtier/kvtier.sock"
+    assert volumes[sock["name"]]["hostPath"] == {"path": NODE_SOCKET_DIR, "type": "DirectoryOrCreate"}
+    cache = mount_for(daemon, config["KVTIER_CACHE_DIR"])
+    assert cache["mountPath"] == config["KVTIER_CACHE_DIR"] and "subPathExpr" not in cache
+    assert volumes[cache["name"]]["hostPath"] == {"path": NODE_CACHE_DIR, "type": "DirectoryOrCreate"}
+    # The hostPath directories are the daemon's: made so by root with CHOWN and FOWNER only, first.
+    dirs = pod["initContainers"][0]
+    assert dirs["name"] == "kvtier-dirs" and "restartPolicy" not in dirs
+    assert dirs["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert dirs["securityContext"]["allowPrivilegeEscalation"] is False
+    assert f"chown {NON_ROOT_UID}:{SHARED_GID} /run/kvtier /var/cache/kvtier" in dirs["command"][-1]
+    assert {m["name"] for m in dirs["volumeMounts"]} == {sock["name"], cache["name"]}
+    check_hardened(daemon, pod)
+    # Sizes, grace (no engine in this pod), probes, ports, config.
+    res = daemon["resources"]
+    assert quantity(res["limits"]["memory"]) >= pools_bytes(config, "KVTIER_HOST_SIZE") + DAEMON_OVERHEAD
+    assert res["requests"]["memory"] == res["limits"]["memory"]
+    assert pod["terminationGracePeriodSeconds"] >= 2 * seconds(config["KVTIER_DRAIN_TIMEOUT"]) + 15
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert ports == {"metrics": int(config["KVTIER_METRICS_PORT"]), "kv-events": 5557}
+    assert config["KVTIER_EVENTS"] == "tcp://*:5557"
+    assert daemon["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    check_network_policy(docs, ds["spec"]["template"]["metadata"]["labels"], pod)
+
+
+def test_node_engine_uses_the_node_daemon():
+    daemon_docs, docs = render("node"), render("node-engine")
+    node_pod, config = pod_of(one(daemon_docs, "DaemonSet")), daemon_config(daemon_docs)
+    deployment = one(docs, "Deployment")
+    pod = pod_of(deployment)
+    engine = container(pod, "engine")
+    assert "kvtier" not in [c["name"] for c in all_containers(pod)], "no daemon of its own"
+    sock_dir = os.path.dirname(config["KVTIER_SOCKET"])
+    m = mount_for(engine, sock_dir)
+    assert m and m["mountPath"] == sock_dir
+    assert {v["name"]: v for v in pod["volumes"]}[m["name"]]["hostPath"] == {"path": NODE_SOCKET_DIR, "type": "Directory"}
+    target = "unix://" + config["KVTIER_SOCKET"]
+    assert env_of(engine)["KVTIER_TARGET"]["value"] == target
+    assert kv_transfer_config(engine)["kv_connector_extra_config"]["target"] == target
+    assert SHARED_GID in pod["securityContext"]["supplementalGroups"]
+    assert pod["nodeSelector"].items() <= node_pod["nodeSelector"].items(), "engines go where the daemon runs"
+    assert not any(pod.get(k) for k in ("hostIPC", "hostNetwork", "hostPID"))
+
+
+@pytest.mark.parametrize("variant", [*CHARTS, "node"])
+def test_other_deployments_daemon_accepts_its_config(variant):
+    """As test_daemon_accepts_its_config, for the sidecar in other charts and the node daemon."""
+    from kvtier.server.config import BY_KEY, load_config
+
+    config = daemon_config(render(variant))
+    unknown = [k for k in config if k[len("KVTIER_"):].lower() not in BY_KEY]
+    assert not unknown, f"not daemon options: {unknown}"
+    assert load_config(None, config, {}).metrics.port == int(config["KVTIER_METRICS_PORT"])
+
+
+def test_examples_and_components_all_checked():
+    """Every example and component directory is rendered by some test here."""
+    rendered = {*VARIANTS.values(), *NODE.values(), *(path for path, _, _ in CHARTS.values())}
+    for path in (K8S / "examples").iterdir():
+        assert path in rendered, f"{path} is not rendered by the tests"
+    used = set()
+    for path in rendered:
+        used |= {(path / c).resolve() for c in yaml.safe_load((path / "kustomization.yaml").read_text()).get("components", [])}
+    used |= {(K8S / "components" / "sidecar").resolve()}  # through sidecar-kserve
+    for path in (K8S / "components").iterdir():
+        assert path.resolve() in used, f"components/{path.name} is in no rendered variant"
