@@ -42,19 +42,16 @@ from kvtier_client.layout import PageLayout
 
 from kvtier.core.ports import PageRecord
 from kvtier.mechanism.directio import open_direct
+from kvtier.mechanism.disk_meta import INDEX_DIR, DiskLayoutMismatch, open_meta
 from kvtier.mechanism.seal import SEAL_BYTES, PageIdentity, Sealer
+
+__all__ = ["DiskLayoutMismatch", "DiskTier", "FsyncPolicy"]  # DiskLayoutMismatch: what opening one raises
 
 log = logging.getLogger(__name__)
 
-#: slot, length, checksum, seq, layout_id, seal kind, seal, len(parent); the parent key follows.
+#: slot, length, checksum, seq, layout_id, seal kind, seal, len(parent); the parent key follows
+#: (the index format, kvtier.mechanism.formats.DISK_INDEX).
 _VALUE = struct.Struct(f"<IIQQ12sB{SEAL_BYTES}sB")
-#: The index's format, in its meta table. 1 (no entry there): before seals; such an index is
-#: forgotten at open (its entries bind no key, so they cannot be verified as their key's).
-INDEX_FORMAT = 2
-
-
-class DiskLayoutMismatch(RuntimeError):
-    """The directory holds pages of another layout: an operator problem, not a client's."""
 
 
 def _encode_key(namespace: str, key: bytes) -> bytes:
@@ -135,7 +132,7 @@ class DiskTier:
 
         self._faults = (OSError, lmdb.Error)  # what a failing device or a full filesystem raises
         self._env = lmdb.open(
-            os.path.join(directory, "index.lmdb"),
+            os.path.join(directory, INDEX_DIR),
             map_size=max(64 << 20, pages * 1024),
             max_dbs=2,
             sync=synced,
@@ -144,8 +141,7 @@ class DiskTier:
         try:
             self._db = self._env.open_db(b"pages")
             self._meta = self._env.open_db(b"meta")
-            self._check_meta()
-            self._check_format()
+            open_meta(self._env, self._db, self._meta, directory, layout)  # refuses a newer kvtier's directory
             self._seq = self._max_seq()
             self.slab_path = os.path.join(directory, "slab.bin")
             self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
@@ -168,36 +164,6 @@ class DiskTier:
             raise
 
     # -- set-up ---------------------------------------------------------------
-    def _check_meta(self) -> None:
-        with self._env.begin(write=True, db=self._meta) as txn:
-            stored = txn.get(b"layout")
-            mine = repr(self.layout).encode()
-            if stored is None:
-                txn.put(b"layout", mine)
-            elif stored != mine:
-                raise DiskLayoutMismatch(
-                    f"disk tier at {self.directory} holds pages of {stored.decode()}, not {self.layout}; "
-                    "point this layout at another directory or remove that one"
-                )
-
-    def _check_format(self) -> None:
-        """Forget an index written before seals; refuse one of a newer kvtier."""
-        with self._env.begin(write=True) as txn:
-            stored = txn.get(b"format", db=self._meta)
-            found = int(stored) if stored is not None else 1
-            if found > INDEX_FORMAT:
-                raise DiskLayoutMismatch(
-                    f"disk tier at {self.directory} was written by a newer kvtier (index format {found}, this one "
-                    f"reads {INDEX_FORMAT}); upgrade this daemon or point it at another directory"
-                )
-            if found < INDEX_FORMAT:
-                old = txn.stat(self._db)["entries"]
-                if old:
-                    log.warning("disk tier %s: forgetting %d pages indexed by an older kvtier without seals (index "
-                                "format %d); engines recompute them", self.directory, old, found)
-                txn.drop(self._db, delete=False)
-                txn.put(b"format", str(INDEX_FORMAT).encode(), db=self._meta)
-
     def _max_seq(self) -> int:
         return max((r.seq for r in self.records()), default=0)
 

@@ -51,6 +51,7 @@ def serve(config_path: str | None, **flags) -> None:
     """Run the kvtier daemon until SIGTERM, then drain and exit.
 
     Sizes: 8GiB, 512MiB, 1.5GB or bytes. Durations: 5s, 500ms, or seconds."""
+    from kvtier.mechanism.formats import FormatRefused
     from kvtier.mechanism.keeper import KeeperError
     from kvtier.server.daemon import run
     from kvtier.server.logs import setup_logging
@@ -59,7 +60,7 @@ def serve(config_path: str | None, **flags) -> None:
         config = load_config(config_path, dict(os.environ), flags)
         setup_logging(config.log.level, config.log.format)
         code = run(config)
-    except (ConfigError, KeeperError) as exc:  # the operator's to fix: one line, no traceback
+    except (ConfigError, KeeperError, FormatRefused) as exc:  # the operator's to fix: one line, no traceback
         click.echo(f"kvtier serve: {exc}", err=True)
         sys.exit(2)
     sys.exit(code)

@@ -14,6 +14,7 @@ import stat
 import grpc
 
 from kvtier.mechanism.device import cuda_device_count
+from kvtier.mechanism.disk_meta import check_cache_dir
 from kvtier.server.config import ConfigError, DaemonConfig, ListenConfig, TiersConfig
 from kvtier.server.handoff import handoff_path
 
@@ -95,6 +96,7 @@ def _check_and_claim(cfg: DaemonConfig, claims: Claims) -> None:
                 f"cache_dir {tiers.cache_dir} is in use by another kvtier daemon{_pid(owner)}; "
                 "stop it first or choose another --cache-dir"
             )
+        check_cache_dir(tiers.cache_dir)  # a newer kvtier's disk tier: FormatRefused, exit 2
     available = _mem_available()
     if available is not None and tiers.host_size > available:
         raise ConfigError(f"host_size {tiers.host_size >> 20} MiB exceeds available RAM ({available >> 20} MiB); lower --host-size")

@@ -1,6 +1,6 @@
 """Disk pages are bound to their identity: an index entry moved under another key or
-namespace, slot bytes swapped together with their entries, a page sealed with another
-secret, and an index written before seals are all misses, never served.
+namespace, slot bytes swapped together with their entries, and a page sealed with another
+secret are all misses, never served (an index written before seals: test_format_versions.py).
 
 The tampering is what a process with write access to the cache directory would do: it
 rewrites the real LMDB index and the real slab file while the tier is closed, then the tier
@@ -136,30 +136,6 @@ def test_a_keyed_tier_refuses_pages_sealed_without_its_secret(written):
         assert read(other, by_identity(other)["a", b"new"])[0] is False
     finally:
         other.close()
-
-
-def test_an_index_from_before_seals_is_forgotten_at_open(written, caplog):
-    directory, _ = written
-    env = lmdb.open(os.path.join(directory, "index.lmdb"), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
-        txn.delete(b"format")  # as an older kvtier left it
-    env.close()
-    tier = DiskTier(directory, LAYOUT, 8, fsync="never")
-    try:
-        assert list(tier.records()) == []
-        assert "forgetting 4 pages indexed by an older kvtier" in caplog.text
-    finally:
-        tier.close()
-
-
-def test_a_newer_index_format_is_refused(written):
-    directory, _ = written
-    env = lmdb.open(os.path.join(directory, "index.lmdb"), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
-        txn.put(b"format", b"99")
-    env.close()
-    with pytest.raises(Exception, match="newer kvtier"):
-        DiskTier(directory, LAYOUT, 8, fsync="never")
 
 
 def test_a_seal_key_file_must_be_private_and_long_enough(tmp_path):
