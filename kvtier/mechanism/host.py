@@ -39,6 +39,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.shm import populate
 
 from kvtier.core.ports import PageRecord
+from kvtier.mechanism.formats import FormatRefused
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.slottable import SlotTable
 
@@ -143,6 +144,10 @@ class HostArena:
                 self._adopt(kept)
             else:
                 self._drop_kept(kept)
+        except FormatRefused:  # a newer kvtier's host tier: left with the keeper, for that kvtier
+            for fd in (table_fd, *(file.fd for file in kept)):
+                os.close(fd)
+            raise
         except BaseException:
             os.close(table_fd)
             self._drop_kept(kept)

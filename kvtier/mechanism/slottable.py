@@ -5,6 +5,8 @@ the arena keeper holds (kvtier.mechanism.keeper), so that it outlives the daemon
     layout   a 4 KiB header, then one 512-byte entry per slot
 
     header  magic, layout id, slot_bytes, pages      (a table of another shape is not adopted)
+            the magic names the format: kvtier-slots-v<N> (kvtier.mechanism.formats.SLOT_TABLE);
+            a table of a newer kvtier is refused (FormatRefused), never laid out afresh
     entry   state, lengths, page length, seq, page checksum, namespace, key, parent, crc
 
 Why a crash at any instant leaves it consistent: the daemon writes an entry (state CACHED,
@@ -29,14 +31,33 @@ from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 
 from kvtier.core.ports import PageRecord
+from kvtier.mechanism.formats import SLOT_TABLE, FormatRefused, Reading
 
-_MAGIC = b"kvtier-slots-v1\0"
+_MAGIC_PREFIX = b"kvtier-slots-v"
 _HEADER = struct.Struct("<16s12sQQ")  # magic, layout id, slot_bytes, pages
 _HEADER_BYTES = 4096
 _ENTRY_BYTES = 512
 _FIELDS = struct.Struct("<BBBBIQQ")  # state, len(namespace), len(key), len(parent), length, seq, checksum
 _NAMES = _ENTRY_BYTES - 8 - _FIELDS.size  # namespace + key + parent bytes
 _CACHED, _FREE = 1, 0
+
+
+def _magic(version: int) -> bytes:
+    return (_MAGIC_PREFIX + str(version).encode()).ljust(16, b"\0")
+
+
+def _check_version(header: bytes, layout: PageLayout) -> None:
+    """Refuse a kept table that a newer kvtier wrote, or that no kvtier did; one never laid
+    out (its daemon died first: zeros) or of a version no longer read is simply not adopted."""
+    magic = header[:16]
+    if not magic.strip(b"\0"):
+        return
+    digits = magic[len(_MAGIC_PREFIX) :].rstrip(b"\0")
+    found = int(digits) if magic.startswith(_MAGIC_PREFIX) and digits.isdigit() else None
+    if SLOT_TABLE.reading(found) is Reading.REFUSE:
+        raise FormatRefused(SLOT_TABLE.refusal(
+            f"the host tier the arena keeper kept for layout {layout.layout_id}", found,
+            "start with --warm-restart-window 0 for an empty host tier (the keeper frees it after its window)"))
 
 
 class SlotTable:
@@ -49,8 +70,10 @@ class SlotTable:
         self.layout = layout
         self.pages = pages
         size = _HEADER_BYTES + pages * _ENTRY_BYTES
-        header = _HEADER.pack(_MAGIC, layout.layout_id.encode(), layout.slot_bytes, pages)
+        header = _HEADER.pack(_magic(SLOT_TABLE.current), layout.layout_id.encode(), layout.slot_bytes, pages)
         current = os.pread(fd, _HEADER.size, 0)
+        if keep:
+            _check_version(current, layout)
         self.matched = keep and current == header and os.fstat(fd).st_size == size
         if not self.matched:
             os.ftruncate(fd, 0)  # every entry of another shape is void

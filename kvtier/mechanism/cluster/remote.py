@@ -25,6 +25,7 @@ class FaultKind(str, enum.Enum):
     FULL = "full"  # the store refused a write: maxmemory with a noeviction policy
     CORRUPT = "corrupt"  # a value failed its header or checksum (dropped, never served)
     MISBOUND = "misbound"  # an intact value sealed as another key's, namespace's or secret's (dropped, never served)
+    VERSION = "version"  # a value in a format this kvtier does not read: another kvtier's (never served, left there)
     OTHER = "other"  # anything else the store answered with an error
 
     def __str__(self) -> str:

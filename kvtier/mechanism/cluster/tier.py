@@ -6,7 +6,9 @@ an episode of faults begins and once when calls succeed again, and never raised 
 caller. A value that fails its header or checksum (corrupt), or whose seal is not that of
 the key it was read under (misbound: moved from another key or namespace, or sealed with
 another secret; kvtier.mechanism.seal), is deleted from the store and counted: no node
-reads it again.
+reads it again. A value in a format this kvtier does not read (a newer kvtier's, while a
+rolling upgrade is under way) is a miss, counted and logged once per format, and left in
+the store for the nodes that read it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ from dataclasses import dataclass, field
 
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
 from kvtier.mechanism.codec import IDENTITY, PageCodec
-from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
+from kvtier.mechanism.cluster.values import (
+    HEADER, Verdict, cluster_key, decode_into, header, layout_hash, value_format,
+)
+from kvtier.mechanism.formats import CLUSTER_VALUE
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,7 @@ class ClusterTier:
         self._lock = threading.Lock()
         self._stats = ClusterStats()
         self._episode: Counter = Counter()  # faults since the last success; empty = healthy
+        self._other_formats: set[int] = set()  # value formats not read here, each logged once
         self._memory_at = 0.0
 
     # -- batches ----------------------------------------------------------------
@@ -97,13 +103,15 @@ class ClusterTier:
         so the host tier need not hash the page again."""
         replies = self._call("get", namespace, lambda s, ks: s.get(ks), keys)
         ok: list[int | None] = []
-        bad = {Verdict.CORRUPT: [], Verdict.MISBOUND: []}
+        bad = {Verdict.CORRUPT: [], Verdict.MISBOUND: [], Verdict.VERSION: []}
         absent = 0
         for key, reply, view in zip(keys, replies, views):
             verdict, checksum = None, 0
             if isinstance(reply, tuple):
                 verdict, checksum = decode_into(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
-                if verdict is not Verdict.GOOD:
+                if verdict is Verdict.VERSION:
+                    bad[verdict].append(value_format(reply[0]))
+                elif verdict is not Verdict.GOOD:
                     bad[verdict].append(key)
             absent += reply is None
             ok.append(checksum if verdict is Verdict.GOOD else None)
@@ -113,6 +121,8 @@ class ClusterTier:
             self._drop(namespace, bad[Verdict.MISBOUND], FaultKind.MISBOUND,
                        "are sealed as another key's, namespace's or layout's (moved there), or with another "
                        "seal_key_file than this node's (every node must share one)")
+        if bad[Verdict.VERSION]:
+            self._other_format(namespace, bad[Verdict.VERSION])
         pages = sum(checksum is not None for checksum in ok)
         with self._lock:
             self._stats.pages_read += pages
@@ -126,6 +136,19 @@ class ClusterTier:
         log.warning("cluster tier: %d values of %r %s; deleted, never served", len(keys), namespace, why,
                     extra={"pool": self.layout_id, "fault": kind.value})
         self._call("delete", namespace, lambda s, ks: s.delete(ks), keys)
+
+    def _other_format(self, namespace: str, found: list[int]) -> None:
+        """Values of formats this kvtier does not read: misses, counted, never deleted
+        (the nodes of the kvtier that wrote them read them); one line per format."""
+        with self._lock:
+            self._stats.faults[FaultKind.VERSION] += len(found)
+            new = set(found) - self._other_formats
+            self._other_formats |= new
+        for version in sorted(new):
+            log.warning("cluster tier: values of %r in cluster value format %d, which this kvtier (format %d) does not "
+                        "read, are misses on this node and left for the nodes that read them; mixed formats end with "
+                        "the rolling upgrade", namespace, version, CLUSTER_VALUE.current,
+                        extra={"pool": self.layout_id, "fault": FaultKind.VERSION.value})
 
     def identity(self, namespace: str, key: bytes) -> PageIdentity:
         return PageIdentity(self.layout_id, namespace, key)

@@ -9,7 +9,7 @@ identity: the page itself), stored as two parts of one value (RemoteStore):
 
     offset  size  field
     0       4     magic b"KVTP"
-    4       1     format version (2)
+    4       1     format version (kvtier.mechanism.formats.CLUSTER_VALUE: 2)
     5       1     seal kind (kvtier.mechanism.seal.SealKind: 0 checksum, 1 keyed)
     6       1     codec id (0 identity; one a reader does not know makes the value corrupt)
     7       1     zero
@@ -18,10 +18,13 @@ identity: the page itself), stored as two parts of one value (RemoteStore):
     24      8     xxh3-64 of the page bytes (decoded), little-endian
     32      16    seal of the page as (layout, namespace, block key)'s (kvtier.mechanism.seal)
 
-A value whose header or checksum does not match is corrupt (so is a value of format 1,
-written before seals: it binds no key); one whose seal does not match the key it was read
-under is misbound (moved from another key or namespace, or sealed with another secret).
-Both are dropped, never served.
+A value whose header or checksum does not match is corrupt; one whose seal does not match
+the key it was read under is misbound (moved from another key or namespace, or sealed with
+another secret). Both are dropped, never served. A value in a format this kvtier does not
+read (a newer kvtier's, during a rolling upgrade, or format 1, written before seals: it
+binds no key) is of another version: a miss here, never served, and left in the store for
+the nodes that read it. Only the magic and the version byte are read before the version is
+judged, so a later format may change everything after them.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.mechanism.codec import CODECS, IDENTITY, PageCodec
+from kvtier.mechanism.formats import CLUSTER_VALUE, Reading
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 MAGIC = b"KVTP"
-VERSION = 2
 HEADER = struct.Struct("<4sBBBxQQQ16s")
 
 
@@ -45,6 +48,7 @@ class Verdict(enum.Enum):
     GOOD = "good"
     CORRUPT = "corrupt"  # a header, length or checksum that does not hold (or an older format)
     MISBOUND = "misbound"  # intact, but sealed as another key's, namespace's or secret's
+    VERSION = "version"  # of a format this kvtier does not read (another kvtier's): left in the store
 
 
 def cluster_key(prefix: str, layout_id: str, namespace: str, key: bytes) -> bytes:
@@ -61,19 +65,29 @@ def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview
     known) and encoded by `codec` (what to store after it: `codec.encode(page)`)."""
     if checksum is None:
         checksum = xxhash.xxh3_64_intdigest(page)
-    return HEADER.pack(MAGIC, VERSION, sealer.kind, codec.id, layout, page.nbytes, checksum,
+    return HEADER.pack(MAGIC, CLUSTER_VALUE.current, sealer.kind, codec.id, layout, page.nbytes, checksum,
                        sealer.seal(identity, page, checksum))
+
+
+def value_format(head: bytes) -> int | None:
+    """The format version a value's header names; None if it is no kvtier value's header."""
+    return head[4] if len(head) > 4 and head[:4] == MAGIC else None
 
 
 def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
                 out: memoryview) -> tuple[Verdict, int]:
-    """Decode the stored page into `out` if its header, codec, checksum and seal as
+    """Decode the stored page into `out` if its format, header, codec, checksum and seal as
     `identity` hold, and give the checksum it verified; otherwise say what is wrong (the
-    caller drops it; checksum 0) and leave `out` alone."""
+    caller drops it, or leaves a value of another version; checksum 0) and leave `out` alone."""
+    found = value_format(head)
+    if found is None:
+        return Verdict.CORRUPT, 0
+    if CLUSTER_VALUE.reading(found) is not Reading.READ:
+        return Verdict.VERSION, 0
     if len(head) != HEADER.size:
         return Verdict.CORRUPT, 0
-    magic, version, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
-    if magic != MAGIC or version != VERSION or their_layout != layout or length != out.nbytes:
+    _, _, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
+    if their_layout != layout or length != out.nbytes:
         return Verdict.CORRUPT, 0
     codec = CODECS.get(codec_id)
     page = codec.decode(stored, out.nbytes) if codec is not None else None
