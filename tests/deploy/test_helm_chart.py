@@ -376,7 +376,7 @@ def test_schema_takes_every_daemon_option_but_the_charts():
         if option.key in config["properties"]:
             entry = config["properties"][option.key]
             assert entry["default"] == option.default and entry["description"].startswith(option.help)
-    assert set(config["properties"]) | owned >= {o.key for o in OPTIONS} - {"metrics_host", "warm_restart_window",
+    assert set(config["properties"]) | owned >= {o.key for o in OPTIONS} - {"metrics_host", "warm_restart_window", "events_connect",
                                                                         "device_size", "gpu", "pod_ip", "node_name"}
     assert config["properties"]["policy"]["enum"] == [p.value for p in PolicyName]
     # Every policy name is listed where users read the values.
@@ -527,3 +527,23 @@ def test_library_readme_snippet_renders(tmp_path):
     (vllm,) = spec["containers"]
     assert vllm["env"] == [{"name": "KVTIER_TARGET", "value": "unix:///run/kvtier/kvtier.sock"}]
     assert json.loads(vllm["args"][0].split("=", 1)[1])["kv_connector"] == "KVTierConnector"
+
+
+@pytest.mark.parametrize("endpoint, events, connect", [
+    ("", "tcp://*:5557", None),
+    ("tcp://epp.llm-d.svc:5557", "tcp://epp.llm-d.svc:5557", "true"),  # llm-d's centralized mode
+    ("watch", "watch", None),
+])
+def test_events_bind_dial_or_watch(endpoint, events, connect):
+    docs = render({"events": {"enabled": True, "endpoint": endpoint}})
+    data = configmap(docs)
+    assert data["KVTIER_EVENTS"] == events and data.get("KVTIER_EVENTS_CONNECT") == connect
+    bound = endpoint == ""
+    ports = {p["name"] for p in container(pod(docs), "kvtier")["ports"]}
+    assert ("kv-events" in ports) == bound
+    assert ("kv-events" in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}) == bound
+    assert ("kv-events" in {r["ports"][0]["port"] for r in one(docs, "NetworkPolicy")["spec"]["ingress"]}) == bound
+    from kvtier.server.config import load_config
+
+    cfg = load_config(None, {k: v for k, v in data.items() if k[7:].lower() in BY_KEY}, {})
+    assert cfg.events.endpoint == events and cfg.events.connect == (connect == "true")

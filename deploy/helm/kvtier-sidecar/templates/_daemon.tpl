@@ -33,7 +33,14 @@ KVTIER_KEEPER_SOCKET: {{ include "kvtier-sidecar.keeperSocket" . }}
 KVTIER_WARM_RESTART_WINDOW: "0"
 {{- end }}
 {{- if $s.events.enabled }}
+{{- if include "kvtier-sidecar.eventsBound" . }}
 KVTIER_EVENTS: {{ printf "tcp://*:%d" (int $s.events.port) | quote }}
+{{- else }}
+KVTIER_EVENTS: {{ $s.events.endpoint | quote }}
+{{- if hasPrefix "tcp://" $s.events.endpoint }}
+KVTIER_EVENTS_CONNECT: "true"
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if $s.tokens.enabled }}
 KVTIER_AUTH: tokens
@@ -46,6 +53,12 @@ KVTIER_GPU: "0"
 {{- range $k, $v := $s.config }}
 {{ printf "KVTIER_%s" (upper $k) }}: {{ include "kvtier-sidecar.envValue" $v | quote }}
 {{- end }}
+{{- end }}
+
+{{- /* "true" when the daemon binds the events port (events on, no endpoint to dial): the
+pod then has the port `kv-events` for routers to connect to. */ -}}
+{{- define "kvtier-sidecar.eventsBound" -}}
+{{- if and .spec.events.enabled (not .spec.events.endpoint) }}true{{ end }}
 {{- end }}
 
 {{- define "kvtier-sidecar.image" -}}
@@ -143,7 +156,7 @@ engine, stopped after it); in node mode the DaemonSet pod's main container. */ -
     {{- end }}
   ports:
     - {name: metrics, containerPort: {{ $s.metrics.port }}}
-    {{- if $s.events.enabled }}
+    {{- if include "kvtier-sidecar.eventsBound" . }}
     - {name: kv-events, containerPort: {{ $s.events.port }}}
     {{- end }}
   resources:

@@ -30,6 +30,7 @@ metrics:
 events:
   enabled: false
   port: 5557
+  endpoint: ""
 tokens:
   enabled: false
   secretName: kvtier-tokens
