@@ -820,11 +820,15 @@ def test_sidecar_added_to_chart(chart):
 
 
 def test_sidecar_llm_d_events():
+    """llm-d's centralized mode: each engine's kvtier connects to the endpoint picker, which
+    binds the event port; the daemon listens on no port for it."""
     docs = render("llm-d")
     config = daemon_config(docs)
-    assert config["KVTIER_EVENTS"] == "tcp://*:5557"
-    ports = {p["name"]: p["containerPort"] for p in container(pod_spec(docs), "kvtier")["ports"]}
-    assert ports["kv-events"] == 5557
+    host, port = re.fullmatch(r"tcp://([a-z0-9-]+):(\d+)", config["KVTIER_EVENTS"]).groups()
+    assert config["KVTIER_EVENTS_CONNECT"] == "true"
+    epp = one([d for d in docs if d["metadata"]["name"] == host], "Deployment")
+    assert int(port) in {p["containerPort"] for p in container(pod_of(epp), "epp")["ports"]}
+    assert "kv-events" not in {p["name"] for p in container(pod_spec(docs), "kvtier")["ports"]}
 
 
 def test_sidecar_patches_agree():
