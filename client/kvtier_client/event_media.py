@@ -2,16 +2,19 @@
 daemon's publisher and the vLLM connector's relay (docs/events.md, "Media").
 
 Routers weight media by name: llm-d lower-cases the medium and looks it up in its
-`kvCacheBackendConfigs`, Dynamo maps GPU to Device, CPU to HostPinned, DISK to Disk and
-SHARED to External. Each tier gets a name of its own, so a router can weigh a page on this
-node's NVMe apart from one in the shared cluster tier.
+`kvCacheBackendConfigs`, Dynamo maps CPU to HostPinned, DISK to Disk, SHARED to External and
+a name it does not know (HBM) to Device. Each tier gets a name of its own, so a router can
+weigh a page on this node's NVMe apart from one in the shared cluster tier, and kvtier's
+device tier is not "GPU": routers keep one entry per endpoint and medium, and the engine's
+own KV cache publishes GPU under the same endpoint, so a removal of kvtier's copy would take
+the engine's credit with it.
 """
 from __future__ import annotations
 
 from kvtier_client.tiers import Tier
 
 #: The default medium of each tier; the daemon's `events_media` option overrides them.
-DEFAULT_MEDIA: dict[Tier, str] = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK", Tier.CLUSTER: "SHARED"}
+DEFAULT_MEDIA: dict[Tier, str] = {Tier.DEVICE: "HBM", Tier.HOST: "CPU", Tier.DISK: "DISK", Tier.CLUSTER: "SHARED"}
 #: vLLM's `ownership` of events kvtier makes: "secondary offloading tier identifier".
 OWNERSHIP = "kvtier"
 

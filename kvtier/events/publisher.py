@@ -11,10 +11,11 @@ first: kvtier.core.held) when they need it, on ZMQ only:
 - every `reannounce` seconds (0: never), for routers that lost messages silently;
 - under a new engine's topic when it attaches to a namespace (a node-wide daemon), and
   taken back (BlockRemoved) from a departed engine's topic;
-- host and device copies taken back at the daemon's stop, from every topic: they go with
-  it (not AllBlocksCleared: routers clear a whole endpoint on it, the engine's own GPU
-  blocks included, as they share the endpoint's topic). Disk copies stay announced: the
-  next daemon serves them, and re-announces them when it starts.
+- taken back at the daemon's stop, from every topic: its copies go with it (not
+  AllBlocksCleared: routers clear a whole endpoint on it, the engine's own GPU blocks
+  included, as they share the endpoint's topic). The next daemon tells what it keeps.
+
+A repeat is told as removals, then the store (`_announce` says why): routers count stores.
 
 Only the namespaces on the endpoint's list go out on ZMQ. Plain ZMQ has no authentication:
 anyone who reaches the endpoint reads those namespaces' block keys and token ids; with
@@ -170,7 +171,7 @@ class EventPublisher:
                               self._reannounced)
 
     def close(self) -> None:
-        """Publish what is left, then take back every host and device copy from every topic
+        """Publish what is left, then take back every copy but the cluster's from every topic
         (the daemon stops: they go with it), end the watches, close the socket. Call it after
         the pools are closed, so their last writes are told."""
         if self._closing:
@@ -218,21 +219,35 @@ class EventPublisher:
             if self._closing:
                 break
         self._publish(*self._take())  # recorded while the last batch was sent
-        if self._out is not None:  # host and device copies go with the daemon; disk ones wait for the next
-            self._announce(stored=False, tiers=(Tier.DEVICE, Tier.HOST))
+        if self._out is not None:  # the daemon's copies go with it; the next one tells what it keeps
+            self._announce(stored=False)
         self.end_watches()
 
-    def _announce(self, *, stored: bool, namespace: str | None = None, only: EngineIdentity | None = None,
-                  tiers: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)) -> None:
-        """Tell ZMQ subscribers every copy held (`stored`), or that the copies in `tiers`
-        left (cluster copies never do: they are the shared topic's). `only`: under that
-        engine's topic alone (it joined or left)."""
+    def _announce(self, *, stored: bool, namespace: str | None = None, only: EngineIdentity | None = None) -> None:
+        """Tell ZMQ subscribers every copy held (`stored`), or that every copy left but the
+        cluster's (they are the shared topic's). `only`: under that engine's topic alone (it
+        joined or left).
+
+        Routers count stores: llm-d and Dynamo keep a reference count per endpoint, tier
+        and block hash, add one for every BlockStored and forget a block only when as many
+        BlockRemoved have come. A repeat told as a plain BlockStored would outlive the
+        block's eviction. So each copy is told as two BlockRemoved, then its BlockStored:
+        whatever the router counted (none, the one of the live stream, or two where a live
+        store raced the reading), it ends at one. A removal of a block a router never
+        counted is a no-op there. Copies without token ids are not told again: a router
+        that matches by tokens learns a block only from its tokens, and would lose what
+        it knew of it on the removals."""
         records: list[Record] = []
         for sink in self._all_sinks():
-            records += (r for r in sink.state(stored, namespace) if stored or r[1] in tiers)
+            records += (r for r in sink.state(True, namespace) if not stored or r[5] is not None)
+        gone = coalesce([(False, tier, ns, key, None, None, size) for _, tier, ns, key, _, _, size in records
+                         if tier is not Tier.CLUSTER])
+        told = coalesce(records) if stored else {}
         ts = time.time()
-        sent = sum(self._out.publish(ns, ts, events, only=only, shared=only is None)
-                   for ns, events in coalesce(records).items())
+        sent = 0
+        for ns in dict.fromkeys([*gone, *told]):
+            events = [*gone.get(ns, []), *gone.get(ns, []), *told.get(ns, [])] if stored else gone.get(ns, [])
+            sent += self._out.publish(ns, ts, events, only=only, shared=only is None)
         with self._lock:
             self._reannounced += sent
 

@@ -383,8 +383,8 @@ OPTIONS: tuple[Option, ...] = (
            field="topic", metavar="TOPIC"),
     Option("events_cluster_topic", "events", TEXT, DEFAULT_CLUSTER_TOPIC, "ZMQ topic of the cluster tier's copies, "
            "shared by every daemon (same fields).", field="cluster_topic", metavar="TOPIC"),
-    Option("events_media", "events", TEXT, "", "Rename tiers' media in events: TIER=MEDIUM,... (defaults device=GPU, "
-           "host=CPU, disk=DISK, cluster=SHARED).", shown="GPU,CPU,DISK,SHARED", field="media", metavar="TIER=M,..."),
+    Option("events_media", "events", TEXT, "", "Rename tiers' media in events: TIER=MEDIUM,... (defaults device=HBM, "
+           "host=CPU, disk=DISK, cluster=SHARED).", shown="HBM,CPU,DISK,SHARED", field="media", metavar="TIER=M,..."),
     Option("events_models", "events", TEXT, "", "The served model name of each namespace's engines, for {model}: "
            "NS=MODEL,... (an engine that names its model at Register wins).", shown="the namespace", field="models",
            metavar="NS=MODEL,..."),
