@@ -61,7 +61,7 @@ topologySpreadConstraints:
   {{- if not (hasKey $c "labelSelector") }}
   {{- $_ := set $c "labelSelector" (dict "matchLabels" (include "kvtier.labels" $ | fromYaml)) }}
   {{- end }}
-  - {{- toYaml $c | nindent 4 }}
+  - {{ toYaml $c | nindent 4 | trim }}
   {{- end }}
 {{- end }}
 {{- end }}
