@@ -59,7 +59,7 @@ def _judge(get, directory: str) -> list[str]:
 
 def open_meta(env, pages, meta, directory: str, layout: PageLayout) -> None:
     """At open, in one transaction: check the formats (refuse, or forget the pages of one no
-    longer read), then the layout; record both for a new directory and the current formats."""
+    longer read), then the layout; record the layout (a new directory) and the current formats."""
     with env.begin(write=True) as txn:
         dropped = _judge(lambda key: txn.get(key, db=meta), directory)
         stored, mine = txn.get(b"layout", db=meta), repr(layout).encode()

@@ -148,10 +148,10 @@ def test_an_index_from_before_seals_is_forgotten_at_open_and_counted(written, ca
 
 
 REFUSED = {
-    "newer index": (b"format", b"3", "holds disk index format 3, written by a newer kvtier; this kvtier reads disk "
-                                     "index formats up to 2: upgrade kvtier"),
-    "newer slab": (b"slab_format", b"2", "holds disk slab format 2, written by a newer kvtier; this kvtier reads "
-                                         "disk slab formats up to 1: upgrade kvtier"),
+    "newer index": (b"format", b"3", ("holds disk index format 3, written by a newer kvtier; this kvtier reads disk "
+                                      "index formats up to 2: upgrade kvtier")),
+    "newer slab": (b"slab_format", b"2", ("holds disk slab format 2, written by a newer kvtier; this kvtier reads "
+                                          "disk slab formats up to 1: upgrade kvtier")),
     "unknown index": (b"format", b"v3", "holds disk index a format kvtier never wrote"),
 }
 
@@ -247,8 +247,8 @@ def test_a_kept_table_its_daemon_never_laid_out_is_laid_out_afresh():
 
 
 @pytest.mark.parametrize("magic, words", [
-    (b"kvtier-slots-v2\0", "holds slot table format 2, written by a newer kvtier; this kvtier reads slot table "
-                           "formats up to 1: upgrade kvtier"),
+    (b"kvtier-slots-v2\0", ("holds slot table format 2, written by a newer kvtier; this kvtier reads slot table "
+                            "formats up to 1: upgrade kvtier")),
     (b"kvtier-slots-v10", "holds slot table format 10, written by a newer kvtier"),
     (b"not a slot table", "holds slot table a format kvtier never wrote"),
 ])
