@@ -1,0 +1,144 @@
+"""Does llm-d credit what kvtier holds? A real daemon publishes; every message it sends is fed
+to tests/llmd_index.py, a model of llm-d's event pool, index and scorer (its golden hashes are
+llm-d's own); then, block by block, the endpoints and tiers llm-d would credit are compared
+with what the daemon says it holds (docs/events.md).
+
+The llm-d side is a model, not llm-d's Go code: Go modules cannot be fetched here. It follows
+llm-d-router's pkg/kvevents and pkg/kvcache, including the reference count of stores that
+makes a plain repeated BlockStored outlive a block's eviction.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import zmq
+from kvtier_client import KVTierClient, PageLayout
+from kvtier_client.tiers import Tier
+from llmd_index import LlmdIndex
+from rpc import wait_for
+
+LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")  # 3072-byte pages
+BLOCK = LAYOUT.block_tokens
+MODEL = "Qwen/Qwen3-8B"
+WAIT = 15.0
+WEIGHTS = {"gpu": 1.0, "hbm": 0.9, "cpu": 0.8, "disk": 0.5, "shared": 0.3}
+
+
+class Router:
+    """An llm-d router in centralized mode, as far as events go: a SUB socket (connected to
+    the daemon's bound endpoint here) whose every message goes through llm-d's event path."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.connect(endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's topicFilter
+        self.index = LlmdIndex(block_size_tokens=BLOCK, weights=WEIGHTS)
+        self.messages = 0
+
+    def receive(self, seconds: float = 0.05) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sub.poll(int(left * 1000)):
+                self.index.feed(*self.sub.recv_multipart())
+                self.messages += 1
+
+    def credited(self, tokens: list[int]) -> list[dict[str, set[str]]]:
+        """For each block of a prompt, the endpoints llm-d credits and in which tiers."""
+        return [self.index.pods_holding(key) for key in self.index.request_keys(MODEL, tokens)]
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def endpoint():
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:  # an ipc:// path must be short
+        yield f"ipc://{directory}/events"
+
+
+@pytest.fixture
+def routers():
+    opened: list[Router] = []
+
+    def open_(endpoint: str) -> Router:
+        opened.append(Router(endpoint))
+        return opened[-1]
+
+    yield open_
+    for router in opened:
+        router.close()
+
+
+def prompt(tag: int, blocks: int) -> list[int]:
+    return [tag * 10_000 + i for i in range(blocks * BLOCK)]
+
+
+def commit(kv: KVTierClient, tokens: list[int]) -> list[bytes]:
+    keys = kv.block_keys(tokens)
+    with kv.borrow(len(keys)) as lease:
+        kv.commit(lease, keys, token_ids=tokens)
+    return keys
+
+
+def truth(kv: KVTierClient, tokens: list[int], pods: list[str]) -> list[dict[str, set[str]]]:
+    """What the daemon holds of each block, as llm-d should credit it: written through, every
+    block is on disk; those whose fastest copy is host are in host too."""
+    blocks = kv.explain(kv.block_keys(tokens)).blocks
+    tiers = [{"disk"} | ({"cpu"} if b.tier is Tier.HOST else set()) for b in blocks]
+    return [dict.fromkeys(pods, t) for t in tiers]
+
+
+def agrees(router: Router, kv: KVTierClient, prompts: list[list[int]], pods: list[str]) -> bool:
+    router.receive()
+    return all(router.credited(p) == truth(kv, p, pods) for p in prompts)
+
+
+def test_llm_d_credits_each_page_to_its_engine_and_tier_through_repeats_and_evictions(daemons, endpoint, routers):
+    daemon = daemons.start("--events", endpoint, "--pod-ip", "10.0.0.1", "--events-models", f"ns={MODEL}",
+                           "--write-through", "--policy", "lru", "--events-reannounce", "1s", host_size="16KiB")
+    router = routers(endpoint)
+    pod = ["10.0.0.1:8000"]
+    with KVTierClient(daemon.target) as kv:
+        kv.register("ns", LAYOUT)
+        prompts = [prompt(1, 2), prompt(2, 2)]
+        for p in prompts:
+            commit(kv, p)
+        wait_for(lambda: agrees(router, kv, prompts, pod), WAIT, "llm-d to credit every page in host and disk")
+        assert router.index.score(MODEL, prompts[1]) == {pod[0]: pytest.approx(2 * 0.8)}  # both blocks in host
+        # The timer repeats the whole state; llm-d counts stores, so a plain repeat would keep
+        # credit for a block kvtier then evicts. Let it repeat twice, then evict from host.
+        time.sleep(2.5)
+        router.receive(0.5)
+        assert router.index.dropped["unknown_parent"] == 0
+        prompts.append(prompt(3, 3))
+        commit(kv, prompts[-1])  # five host pages at most: the oldest leave host, stay on disk
+        wait_for(lambda: agrees(router, kv, prompts, pod), WAIT, "host evictions to take back llm-d's host credit")
+        first = truth(kv, prompts[0], pod)
+        assert first[0][pod[0]] == {"disk"}, "the test meant to evict prompt 1 from host"
+        assert router.index.score(MODEL, prompts[0])[pod[0]] == pytest.approx(2 * 0.5)  # disk only now
+    assert router.index.dropped.total() == router.index.dropped["filtered_topic"]
+
+
+def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all(daemons, endpoint, routers):
+    daemon = daemons.start("--events", endpoint, "--write-through", "--events-reannounce", "0")
+    early = routers(endpoint)
+    pods = ["10.0.1.1:8000", "10.0.1.2:8000"]
+    with (KVTierClient(daemon.target, engine_endpoint=pods[0], served_model=MODEL) as a,
+          KVTierClient(daemon.target, engine_endpoint=pods[1], served_model=MODEL) as b):
+        a.register("shared", LAYOUT)
+        b.register("shared", LAYOUT)
+        prompts = [prompt(4, 3), prompt(5, 2)]
+        commit(a, prompts[0])
+        commit(b, prompts[1])
+        wait_for(lambda: agrees(early, a, prompts, pods), WAIT, "both engines credited with both engines' pages")
+        late = routers(endpoint)  # a router that starts now learns the whole state when it subscribes
+        wait_for(lambda: agrees(late, a, prompts, pods), WAIT, "a late router to learn everything")
+        early.receive(0.5)  # and the early one, which heard the repeat too, still agrees
+        assert all(early.credited(p) == truth(a, p, pods) for p in prompts)
+    # Both engines left: their credit is taken back.
+    wait_for(lambda: early.receive() or all(early.credited(p) == [{}] * len(p[::BLOCK]) for p in prompts), WAIT,
+             "departed engines' credit taken back")
