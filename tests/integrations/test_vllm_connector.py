@@ -177,3 +177,38 @@ def test_a_failed_background_load_is_not_offered_again(checks):
     failed = checks["groups"]["after_failed_load"]
     assert failed["first"] == [5 * 32, True]
     assert failed["again"] == [0, False]
+
+
+def test_kvtier_tier_changes_reach_vllms_publisher_as_kv_events(tmp_path):
+    """The connector relays kvtier's tier changes of its own pages through vLLM's publisher
+    (tests/integrations/vllm_event_checks.py: every event decoded with vLLM's classes): a
+    page's disk write is a token-less BlockStored DISK under the commit's hashes, its host
+    eviction a BlockRemoved CPU; the relay survives a daemon restart and ends on shutdown."""
+    daemon = start_daemon(tmp_path, "--events", f"ipc://{tmp_path}/kvtier-events.ipc", "--write-through",
+                          host_size="1MiB", disk_size="8MiB")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
+        env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        command = [str(VLLM_PYTHON), str(CHECKS.with_name("vllm_event_checks.py")), "--target", daemon.target,
+                   "--daemon-pid", str(daemon.proc.pid), "--daemon-command", json.dumps(daemon.args)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    finally:
+        daemon.stop()
+    assert proc.returncode == 0, f"{proc.stderr[-6000:]}\n--- daemon ---\n{daemon.log()[-3000:]}"
+    e = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert e["thread"]
+    save = e["save"]
+    assert save["cpu_hashes"] and save["cpu_tokens"] == [3 * 32], save  # the commit's BlockStored, with tokens
+    assert save["disk_hashes"] and save["disk_tokens"] == [0] and save["disk_after_cpu"], save  # a location update
+    assert e["evicted"]["cpu_removed"], e["evicted"]
+    assert e["evicted"]["followed"] == 3  # r1 is still on disk: still followed
+    restart = e["restart"]
+    assert restart["cpu_removed"], restart  # the daemon stopped: its host tier went with it
+    assert restart["disk_after_restart"], restart  # watching again by itself
+    assert e["only_ours"] and e["ownership"] == ["kvtier"]
+    bounded = e["bounded"]
+    assert bounded["withdrawn"] and bounded["disk"] and bounded["followed"] == 2, bounded
+    assert e["off"] == {"relay": False, "events": 0, "threads_added": 0}
+    assert e["threads_left"] == 0 and e["dropped"] == 0
+    print(f"\nrelay: watching again {restart['watching_again_s']} s after the daemon restarted; "
+          f"shutdown of 3 schedulers {e['shutdown_s']} s; {e['decoded']} events decoded")

@@ -39,9 +39,10 @@ What it does (docs/integrations.md has the full story and the support matrix):
 * Each block is stored once: not if kvtier, vLLM's own prefix cache or another live request
   of the engine already has it (scheduler.py says how).
 * `request_finished` returns `kv_transfer_params={"kvtier": {...}}` (loaded tokens, blocks
-  stored, the planner's reason). KV events (events.py), stats and Prometheus metrics
-  (stats.py). `reset_cache` starts a new key epoch and says True; vLLM 0.33's sleep hooks
-  drop and restore the worker's views.
+  stored, the planner's reason). KV events (events.py) and, with vLLM's KV events on,
+  kvtier's later tier changes of the engine's pages (tier_events.py: written to disk,
+  evicted from host); stats and Prometheus metrics (stats.py). `reset_cache` starts a new
+  key epoch and says True; vLLM 0.33's sleep hooks drop and restore the worker's views.
 
 What it refuses, with the reason at engine start: Mamba / linear-attention layers, context
 parallelism, a hybrid model with pipeline parallelism, K and V head sizes that differ.
@@ -66,6 +67,8 @@ Configuration (`kv_connector_extra_config`), every key optional:
     max_load_tokens   at most this many tokens loaded per request
     on_reset      "new_epoch" (default) or "keep": what vLLM's cache reset does to the keys
     page_tokens   tokens per kvtier page, a multiple of vLLM's block size (default one block)
+    kv_events_pages   with vLLM's KV events on: pages whose later tier changes are relayed
+                  as KV events, at most (1,000,000; tier_events.py)
 
 The package, one module per concern (vLLM loads one connector class and tells it its role;
 `KVTierConnector` below is a thin facade that builds the half for that role and forwards to it):
@@ -81,6 +84,7 @@ The package, one module per concern (vLLM loads one connector class and tells it
     scheduler.py  KVTierScheduler: lookups, load planning, metadata building
     saves.py      saves in flight: borrowed pages, committed once every worker wrote its part
     events.py     the BlockStored events of the blocks kvtier took
+    tier_events.py    kvtier's later tier changes of those pages, relayed as KV events
     kv_views.py   per group, vLLM's KV tensors as views shaped like a worker's part of a page
     worker.py     KVTierWorker: foreground and background loads, saves, reports
     copies.py     the CPU copies (batched, split over torch's threads)
@@ -314,6 +318,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         for link in self._links:
             link.close()
 

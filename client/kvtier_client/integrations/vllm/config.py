@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 CONFIG_KEYS = (
     "target", "namespace", "salt", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
     "insecure", "planner", "prefetch", "connect_timeout", "kv_cache_format", "async_loads", "max_load_tokens",
-    "on_reset", "page_tokens",
+    "on_reset", "page_tokens", "kv_events_pages",
 )
 #: How a layer's KV tensor holds K and V (kvtier_client.integrations.vllm.worker).
 KV_CACHE_FORMATS = ("auto", "cpu", "kv_last_dim")
@@ -69,6 +69,14 @@ def _as_choice(extra: dict[str, Any], key: str, choices: tuple[str, ...]) -> str
     return value
 
 
+def _as_count(extra: dict[str, Any], key: str, default: int) -> int:
+    """A whole number >= 1 (`default` when the key is absent)."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"kvtier connector: {key} must be a whole number >= 1, got {value!r}")
+    return value
+
+
 def _as_tokens(extra: dict[str, Any], key: str, minimum: int) -> int | None:
     """An optional whole number of tokens >= `minimum` (None when the key is absent)."""
     value = extra.get(key)
@@ -95,6 +103,7 @@ class ConnectorConfig:
     max_load_tokens: int | None = None  # at most this many tokens loaded per request (None: no limit)
     on_reset: str = "new_epoch"
     page_tokens: int | None = None  # tokens per kvtier page: a multiple of vLLM's block size (None: one block)
+    kv_events_pages: int = 1_000_000  # pages whose tier changes are relayed as KV events, at most (tier_events.py)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
@@ -146,6 +155,7 @@ class ConnectorConfig:
             async_loads=_as_choice(extra, "async_loads", ASYNC_LOADS),
             max_load_tokens=_as_tokens(extra, "max_load_tokens", 0), on_reset=_as_choice(extra, "on_reset", ON_RESET),
             page_tokens=_as_tokens(extra, "page_tokens", 1),  # a multiple of vLLM's block (kv_groups checks)
+            kv_events_pages=_as_count(extra, "kv_events_pages", cls.kv_events_pages),
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:

@@ -2,13 +2,14 @@
 blocks, in vLLM's own format and with vLLM's own block hashes, for vLLM's KV event
 publisher (when the engine enables KV events). The payload is taken when the save is sent,
 while the request is alive; the events are made once the commit says which pages were new.
+Later changes of those pages' tiers are tier_events.py's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
@@ -16,14 +17,16 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from kvtier_client.event_media import DEFAULT_MEDIA, OWNERSHIP
+from kvtier_client.tiers import Tier
+
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_utils import BlockHash
+    from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
     from vllm.v1.request import Request
 #: KV events: committed pages land in kvtier's host tier, node-local memory: vLLM's CPU
 #: medium (as its own offloading connector names host RAM), LOCAL, owned by "kvtier".
-EVENT_MEDIUM = MEDIUM_CPU
+EVENT_MEDIUM = DEFAULT_MEDIA[Tier.HOST]
 EVENT_LOCALITY = "LOCAL"
-EVENT_OWNER = "kvtier"
 
 
 @dataclass
@@ -56,9 +59,13 @@ class BlockPayload:
                 token_ids=self.token_ids[first * block_size : end * block_size],
                 block_size=block_size, lora_id=self.lora_id, medium=EVENT_MEDIUM, lora_name=self.lora_name,
                 extra_keys=to_event_extra_keys(self.extra_keys[first:end]), group_idx=0,
-                locality=EVENT_LOCALITY, ownership=EVENT_OWNER, session_id=self.session_id,
+                locality=EVENT_LOCALITY, ownership=OWNERSHIP, session_id=self.session_id,
             ))
         return out
+
+    def page_hashes(self, page: int, per_page: int) -> tuple[ExternalBlockHash, ...]:
+        """The hashes events carry for page `page` of this payload (`per_page` blocks each)."""
+        return tuple(maybe_convert_block_hash(h) for h in self.hashes[page * per_page : (page + 1) * per_page])
 
 
 def block_payload(request: Request, first: int, end: int, block_size: int,
@@ -77,3 +84,14 @@ def block_payload(request: Request, first: int, end: int, block_size: int,
         lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
         session_id=request.session_id,
     )
+
+
+def page_hashes(request: Request, first: int, end: int, per_page: int, block_size: int,
+                hash_block_size: int) -> list[tuple[ExternalBlockHash, ...]] | None:
+    """The hashes events carry for pages [first, end) of a request (`per_page` blocks each),
+    if vLLM hashed the prompt."""
+    hashes = resolve_block_hashes(request.block_hashes, hash_block_size, block_size)
+    if len(hashes) < end * per_page:
+        return None
+    return [tuple(maybe_convert_block_hash(h) for h in hashes[p * per_page : (p + 1) * per_page])
+            for p in range(first, end)]

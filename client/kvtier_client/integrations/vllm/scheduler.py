@@ -54,6 +54,7 @@ from kvtier_client.integrations.vllm.metadata import (
 from kvtier_client.integrations.vllm.request_state import RequestState, request_salt
 from kvtier_client.integrations.vllm.saves import SaveEnd, Saves, SentSave
 from kvtier_client.integrations.vllm.stats import KVTierConnectorStats
+from kvtier_client.integrations.vllm.tier_events import TierEvents
 from kvtier_client.keys import BlockKey
 from kvtier_client.results import LookupResult
 from kvtier_client.tiers import Tier
@@ -78,7 +79,8 @@ class KVTierScheduler:
     """The scheduler half of KVTierConnector: one per engine core. `groups`: the engine's
     KV cache groups, `links[i]` the registration of group i's layout; `workers`: the
     engine's workers, each of which must report a save before it is committed; `events`: keep
-    BlockStored events for vLLM's KV event publisher (when the engine enables them);
+    KV events for vLLM's publisher (when the engine enables them): the BlockStored of each
+    commit, and kvtier's later tier changes of those pages (tier_events.py);
     `hash_block_size`: the granularity of vLLM's request block hashes (the block size, for
     one KV cache group)."""
 
@@ -102,10 +104,13 @@ class KVTierScheduler:
         self.do_load = do_load
         self.do_save = do_save
         self.saves = Saves(links, frozenset(range(workers)))
-        self.events = events
+        #: KV events on: the commits' BlockStored and kvtier's later tier changes (None: off, no thread).
+        self.tier_events = TierEvents(config.client(f"vllm events pid {os.getpid()}", map_arena=False),
+                                      config.namespace, block_size=block_size, per_page=self.per_page,
+                                      hash_block_size=self.hash_block_size,
+                                      max_pages=config.kv_events_pages) if events else None
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, RequestState] = {}
-        self._events: list[KVCacheEvent] = []
         self._stats = KVTierConnectorStats()
         self._outputs = 0  # step outputs seen (update_connector_output)
         self._loading: list[str] = []  # requests whose background load goes out with the next metadata
@@ -231,6 +236,8 @@ class KVTierScheduler:
         state.load_needs = tuple(needed_blocks(g.mode, g.window, end) for g in self.groups)
         state.loaded_tokens += num_external_tokens
         state.candidate = None
+        if self.tier_events is not None:
+            self.tier_events.loaded(request, state.keys, start, end)
         if state.candidate_async:
             # The request waits (vLLM's WAITING_FOR_REMOTE_KVS) and is not scheduled until the
             # load is done: its LoadOps go out with the next metadata, from these blocks.
@@ -353,8 +360,10 @@ class KVTierScheduler:
             keys = state.group_keys[g]
             meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first * k : full * k], list(lease.slots), g))
             payload = None
-            if g == 0 and self.events:
+            if g == 0 and self.tier_events is not None:
                 payload = block_payload(state.request, first * k, full * k, self.block_size, self.hash_block_size)
+                if payload is not None:
+                    self.tier_events.expect(keys[first:full])
             self.saves.sent[(req_id, first, g)] = SentSave(lease, keys[first:full], keys[first - 1] if first else None,
                                                            tokens, payload, self._outputs)
         for key in state.keys[first:full]:
@@ -402,15 +411,15 @@ class KVTierScheduler:
             state.stored_blocks -= len(sent.keys) - len(new or ())
         if new is None:
             self.saves.unmark(sent.keys, end.req_id)
-        elif sent.event is not None:
-            blocks = tuple(p * self.per_page + j for p in new for j in range(self.per_page))
-            self._events.extend(sent.event.events(blocks, self.block_size))
+        if sent.event is not None and self.tier_events is not None:
+            self.tier_events.committed(sent.keys, new, sent.event)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        events, self._events = self._events, []
-        return events
+        return self.tier_events.take() if self.tier_events is not None else ()
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        if self.tier_events is not None:
+            self._stats.add(kv_events_dropped=self.tier_events.take_dropped())
         return self._stats.take()
 
     def reset_cache(self) -> bool:
@@ -420,11 +429,13 @@ class KVTierScheduler:
         engines whose weights never change in memory), so KV computed with other weights is
         never served to it. The pages themselves stay: they belong to the namespace, which
         other engines share. Requests already known keep their keys; the keys being stored
-        and the KV events not taken yet are forgotten."""
+        and the KV events not taken yet are forgotten, as are the pages whose tiers it relayed
+        (vLLM's reset tells the router to forget this engine's blocks)."""
         if self.config.on_reset == "new_epoch":
             self._epoch = os.urandom(8)
         self.saves.storing.clear()  # (saves in flight still end as the workers report them)
-        self._events.clear()
+        if self.tier_events is not None:
+            self.tier_events.forget()
         for state in self._requests.values():
             state.storing.clear()
         log.info("kvtier connector: reset_cache (on_reset=%s) for namespace %r; pages stored before stay in kvtier "
@@ -446,3 +457,7 @@ class KVTierScheduler:
             "prefill_tokens_per_second": self.planner.prefill_tokens_per_second if self.planner else None,
             "copy_bytes_per_second": self.planner.copy_bytes_per_second if self.planner else None,
         }}
+
+    def shutdown(self) -> None:
+        if self.tier_events is not None:
+            self.tier_events.close()

@@ -29,6 +29,7 @@ COUNTERS = {
     "store_bytes": "Bytes copied out of vLLM's KV blocks into kvtier pages.",
     "store_seconds": "Seconds spent storing (borrow, copies, commit).",
     "store_failed_blocks": "Blocks that could not be stored (no free pages, daemon away).",
+    "kv_events_dropped": "KV events of kvtier's pages not handed to vLLM's publisher: its queue was full.",
 }
 
 
