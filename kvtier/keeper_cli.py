@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 
 import click
@@ -41,7 +42,9 @@ def _take_path(path: str) -> None:
     if status is not None:
         raise click.ClickException(f"another arena keeper serves {path} ({status.files} files kept): stop it first")
     try:
-        os.unlink(path)
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise click.ClickException(f"{path} exists and is not a socket: give the keeper another path")
+        os.unlink(path)  # a killed keeper's
     except FileNotFoundError:
         pass
 
