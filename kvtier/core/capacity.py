@@ -273,7 +273,7 @@ class Capacity:
             for block in group[: min(allowed, disk.slots.free_count)]:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None
-                record = PageRecord(ns, key, disk.slots.alloc(), parent)
+                record = PageRecord(ns, key, disk.slots.alloc(), parent, tokens=block.tokens)
                 block.copies[Tier.HOST].saved = True
                 self.index.start_writing(ns, [record.slot], Tier.DISK)
                 self.saving[block.ref] = record

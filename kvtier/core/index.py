@@ -170,7 +170,8 @@ class BlockIndex:
         """File the disk tier's persisted pages, oldest first (the policy's recency)."""
         for record in sorted(records, key=lambda r: r.seq):
             parent = (record.namespace, record.parent) if record.parent else None
-            self.add_block((record.namespace, record.key), parent, Tier.DISK, Copy(record.slot, record=record))
+            self.add_block((record.namespace, record.key), parent, Tier.DISK, Copy(record.slot, record=record),
+                           record.tokens)
 
     def recover_host(self, records: Iterable[PageRecord]) -> None:
         """File the host pages adopted from a crashed daemon's arena, oldest first, next to

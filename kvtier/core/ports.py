@@ -44,7 +44,9 @@ class PageRecord:
     """One page's persistent index entry, in the tier whose slot it names (the disk tier's
     LMDB index, the host tier's slot table). `checksum` is xxh3-64 of the page's `length`
     bytes; `seq` orders entries by write, so a restart rebuilds recency. `seal` (disk) binds
-    the page to its namespace, layout and key, of kind `seal_kind` (kvtier.mechanism.seal)."""
+    the page to its namespace, layout and key, of kind `seal_kind` (kvtier.mechanism.seal).
+    `tokens` (disk) are the block's token ids when its client gave them: KV events name them
+    again after a restart, so routers that match by tokens still credit the page."""
 
     namespace: str
     key: bytes
@@ -55,6 +57,7 @@ class PageRecord:
     seq: int = 0
     seal: bytes = b""
     seal_kind: int = 0
+    tokens: tuple[int, ...] | None = None
 
 
 class LoadKind(IntEnum):

@@ -64,6 +64,18 @@ def _decode_key(raw: bytes) -> tuple[str, bytes]:
     return raw[2 : 2 + n].decode(), bytes(raw[2 + n :])
 
 
+def _encode_tokens(tokens: tuple[int, ...] | None) -> bytes:
+    """A block's token ids after its parent in the index entry, u32 little-endian each. An
+    optional field: releases that read index format 2 without it ignore the trailing bytes."""
+    return struct.pack(f"<{len(tokens)}I", *tokens) if tokens else b""
+
+
+def _decode_tokens(raw: bytes) -> tuple[int, ...] | None:
+    if not raw or len(raw) % 4:
+        return None
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
 def _delete_if_seq(txn, keys: dict[bytes, int]) -> None:
     """Delete each key whose entry still has the given write sequence: an entry written
     again since (a newer copy of the same block) stays."""
@@ -199,7 +211,8 @@ class DiskTier:
                     continue
                 namespace, key = _decode_key(raw_key)
                 parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
-                yield PageRecord(namespace, key, slot, parent, length, checksum, seq, seal, kind)
+                tokens = _decode_tokens(value[_VALUE.size + plen :])
+                yield PageRecord(namespace, key, slot, parent, length, checksum, seq, seal, kind, tokens)
 
     def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove index entries (each only while it is still the one with the record's
@@ -289,7 +302,7 @@ class DiskTier:
                     parent = r.parent or b""
                     value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(),
                                         r.seal_kind, r.seal, len(parent))
-                    txn.put(_encode_key(r.namespace, r.key), value + parent)
+                    txn.put(_encode_key(r.namespace, r.key), value + parent + _encode_tokens(r.tokens))
             self._unforgotten.clear()
             self._seq = seq
         return stored

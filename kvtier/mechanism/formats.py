@@ -62,7 +62,9 @@ DISK_SLAB = Format("disk slab", current=1, oldest=1)
 
 #: The disk index (index.lmdb: the meta entry `format`; no entry reads as 1).
 #: 1  entries without seals (kvtier before 6ef7fed): forgotten at open, they bind no key.
-#: 2  entries carry a seal kind and a 16-byte seal (kvtier.mechanism.seal).
+#: 2  entries carry a seal kind and a 16-byte seal (kvtier.mechanism.seal); optionally,
+#:    after the parent, the block's token ids (u32 each: KV events after a restart),
+#:    which a reader without them ignores.
 DISK_INDEX = Format("disk index", current=2, oldest=2)
 
 #: The host tier's slot table (kvtier.mechanism.slottable: its magic, kvtier-slots-v<N>).

@@ -142,3 +142,27 @@ def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all
     # Both engines left: their credit is taken back.
     wait_for(lambda: early.receive() or all(early.credited(p) == [{}] * len(p[::BLOCK]) for p in prompts), WAIT,
              "departed engines' credit taken back")
+
+
+def test_after_a_restart_llm_d_credits_the_disk_pages_again(daemons, endpoint, routers):
+    """Token ids are kept in the disk index: a restarted daemon tells its disk pages with
+    them, so a router that matches by tokens credits them although the stop took them back."""
+    args = ("--events", endpoint, "--pod-ip", "10.0.2.1", "--events-models", f"ns={MODEL}", "--write-through",
+            "--events-reannounce", "0", "--warm-restart-window", "0")
+    daemon = daemons.start(*args, name="restart")
+    router = routers(endpoint)
+    pod = ["10.0.2.1:8000"]
+    prompts = [prompt(6, 3), prompt(7, 2)]
+    with KVTierClient(daemon.target) as kv:
+        kv.register("ns", LAYOUT)
+        for p in prompts:
+            commit(kv, p)
+        wait_for(lambda: agrees(router, kv, prompts, pod), WAIT, "llm-d to credit the pages")
+    assert daemon.stop() == 0
+    router.receive(0.5)
+    assert all(router.credited(p) == [{}] * (len(p) // BLOCK) for p in prompts)  # taken back at the stop
+    again = daemons.start(*args, name="restart")
+    with KVTierClient(again.target) as kv:
+        kv.register("ns", LAYOUT)  # the layout's pool opens and reads its disk index
+        wait_for(lambda: router.receive() or all(router.credited(p) == [{pod[0]: {"disk"}}] * (len(p) // BLOCK)
+                                                 for p in prompts), WAIT, "the disk pages credited again")
