@@ -206,10 +206,6 @@ class BlockIndex:
         elif self.events is not None:
             self._stored(block, tier)
 
-    def announce(self, block: Block, tier: Tier) -> None:
-        """Tell the event sink of a copy already in place."""
-        self._stored(block, tier)
-
     def _stored(self, block: Block, tier: Tier) -> None:
         namespace, key = block.ref
         self.events.stored(tier, namespace, key, block.parent[1] if block.parent else None, block.tokens)

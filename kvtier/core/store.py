@@ -210,15 +210,11 @@ class BlockStore:
 
     @events.setter
     def events(self, sink: BlockEvents | None) -> None:
-        """Set the sink and tell it of every copy already in place (pages recovered from
-        disk or adopted from a crashed daemon), so a listener starts from the whole state."""
+        """Set the sink. Copies already in place (recovered from disk, adopted from a crashed
+        daemon) are not told as arrivals: they are state, which the publisher reads with
+        `held` and tells as such (kvtier.events.publisher)."""
         with self._lock:
             self._index.events = sink
-            if sink is not None:
-                for block in self._index.blocks.values():
-                    for tier, copy in block.copies.items():
-                        if not copy.loading:
-                            self._index.announce(block, tier)
 
     @property
     def forgetting(self) -> set[PageRecord]:

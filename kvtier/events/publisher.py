@@ -11,6 +11,7 @@ first: kvtier.core.held) when they need it, on ZMQ only:
 - every `reannounce` seconds (0: never), for routers that lost messages silently;
 - under a new engine's topic when it attaches to a namespace (a node-wide daemon), and
   taken back (BlockRemoved) from a departed engine's topic;
+- a new pool's, when it opens: the pages it read from disk or adopted from the keeper;
 - taken back at the daemon's stop, from every topic: its copies go with it (not
   AllBlocksCleared: routers clear a whole endpoint on it, the engine's own GPU blocks
   included, as they share the endpoint's topic). The next daemon tells what it keeps.
@@ -98,6 +99,7 @@ class EventPublisher:
         self._reannounce = reannounce
         self._ready = threading.Event()  # a sink has records, or an engine came or went
         self._sinks: list[PoolEvents] = []
+        self._opened: list[PoolEvents] = []  # new sinks whose store's state is yet to be told
         self._out = (ZmqOut(endpoint, access, topics or Topics(), Encoder(EventFormat(layout), media), self.engines)
                      if endpoint and endpoint != WATCH_ONLY else None)
         self._watchers: list[Watcher] = []
@@ -127,6 +129,8 @@ class EventPublisher:
         sink = PoolEvents(block_size, self._buffer_records, self._ready, held)
         with self._lock:
             self._sinks.append(sink)
+            self._opened.append(sink)  # its store's pages (read from disk, adopted) are told as state
+        self._ready.set()
         return sink
 
     def engine_joined(self, namespace: str, engine: EngineIdentity) -> None:
@@ -207,7 +211,11 @@ class EventPublisher:
             try:
                 self._publish(*self._take())
                 changes = self.engines.changes()
+                with self._lock:
+                    opened, self._opened = self._opened, []
                 if self._out is not None:
+                    if opened:
+                        self._announce(stored=True, sinks=opened)
                     for joined, namespace, engine in changes:  # a joined engine's topic learns the namespace's state
                         self._announce(stored=joined, namespace=namespace, only=engine)
                     now = time.monotonic()
@@ -223,10 +231,11 @@ class EventPublisher:
             self._announce(stored=False)
         self.end_watches()
 
-    def _announce(self, *, stored: bool, namespace: str | None = None, only: EngineIdentity | None = None) -> None:
+    def _announce(self, *, stored: bool, namespace: str | None = None, only: EngineIdentity | None = None,
+                  sinks: list[PoolEvents] | None = None) -> None:
         """Tell ZMQ subscribers every copy held (`stored`), or that every copy left but the
         cluster's (they are the shared topic's). `only`: under that engine's topic alone (it
-        joined or left).
+        joined or left). `sinks`: those pools' state only (new pools).
 
         Routers count stores: llm-d and Dynamo keep a reference count per endpoint, tier
         and block hash, add one for every BlockStored and forget a block only when as many
@@ -238,7 +247,7 @@ class EventPublisher:
         that matches by tokens learns a block only from its tokens, and would lose what
         it knew of it on the removals."""
         records: list[Record] = []
-        for sink in self._all_sinks():
+        for sink in sinks if sinks is not None else self._all_sinks():
             records += (r for r in sink.state(True, namespace) if not stored or r[5] is not None)
         gone = coalesce([(False, tier, ns, key, None, None, size) for _, tier, ns, key, _, _, size in records
                          if tier is not Tier.CLUSTER])
