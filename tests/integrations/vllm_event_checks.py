@@ -83,7 +83,7 @@ class Subscriber:
         self.publisher.publish(self.batch(ts=time.time(), events=events))
         if not self.sub.poll(int(WAIT_S * 1000)):
             raise AssertionError("a published batch never arrived")
-        topic, _seq, payload = self.sub.recv_multipart()
+        _topic, _seq, payload = self.sub.recv_multipart()
         return list(self.decoder.decode(payload).events)
 
     def close(self) -> None:

@@ -180,6 +180,8 @@ class TierEvents:
         return True
 
     def _follow(self, key: BlockKey, hashes: tuple[ExternalBlockHash, ...], tiers: int) -> None:
+        if (old := self._pages.get(key)) is not None:
+            tiers |= old[0]  # never forget a tier the router was told of: only a removal takes it back
         self._pages[key] = (tiers, *hashes)
         self._pages.move_to_end(key)
         while len(self._pages) > self._max_pages:  # withdraw what can no longer be followed
