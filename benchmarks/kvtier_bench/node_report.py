@@ -46,6 +46,9 @@ def notes(result: NodeResult) -> list[str]:
          "ceiling = the same routing with caches that never evict; prefill tokens saved = blocks hit x "
          f"{TRACE_BLOCK_TOKENS}; lost = blocks a lookup found that were evicted before their acquire; seconds = "
          "first request sent to last answer in."),
+        *(["blocks hit in host / disk: " + "; ".join(
+            f"{p.fraction:.0%} {r.setup} {r.hits_by_tier.get('host', 0):,} / {r.hits_by_tier.get('disk', 0):,}"
+            for p in result.points for r in p.runs)] if result.disk_factor else []),
     ]
 
 
