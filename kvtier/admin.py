@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import click
 import grpc
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier_client.connection import Connection, TLSConfig
 from kvtier_client.errors import KVTierError, Unavailable
@@ -26,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.server.config import default_socket
+from kvtier.units import parse_duration, parse_size
 
 
 def _target(socket: str | None, target: str | None) -> str:
@@ -73,6 +75,43 @@ def _connection_options(f):
     return f
 
 
+# -- values: sizes and durations as the daemon's configuration reads them (kvtier.units) --
+class Duration(click.ParamType):
+    """Seconds, written as kvtier.units.parse_duration reads them: 2s, 500ms, 1m30s, or a
+    number of seconds; at least `minimum` (more than it, with `open_min`)."""
+
+    name = "duration"
+
+    def __init__(self, minimum: float = 0.0, open_min: bool = False) -> None:
+        self.minimum, self.open_min = minimum, open_min
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            seconds = parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if seconds < self.minimum or (self.open_min and seconds == self.minimum):
+            self.fail(f"{value!r} is too short: {'more than' if self.open_min else 'at least'} {self.minimum:g}s",
+                      param, ctx)
+        return seconds
+
+
+class Size(click.ParamType):
+    """A size as kvtier.units.parse_size reads it (8GiB, 8Gi, 512MiB, 1.5GB, bytes), checked
+    here and passed on as written."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> str:
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
 # -- output: rich on a terminal, plain aligned text in a pipe ----------------------------
 #: Width of plain output: wide enough that no table wraps (lines carry no padding to it).
 _PLAIN_WIDTH = 100_000
@@ -84,29 +123,38 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
 
 
-def plain_text(renderable: RenderableType) -> str:
-    """`renderable` as text without control codes or trailing blanks, never wrapped: what a
+def plain_text(renderable: RenderableType, width: int = _PLAIN_WIDTH) -> str:
+    """`renderable` as text without control codes or trailing blanks, never wrapped (or, given
+    a `width`, as wide as that at most: for renderables that fit it, SplitTable): what a
     pipe, a file or a test reads."""
     out = io.StringIO()
-    Console(file=out, width=_PLAIN_WIDTH, color_system=None, force_terminal=False, highlight=False,
+    Console(file=out, width=width, color_system=None, force_terminal=False, highlight=False,
             soft_wrap=False, emoji=False, markup=False).print(renderable)
     return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
 
 
-def emit(renderable: RenderableType) -> None:
-    """Print `renderable`: with rich's colours and boxes on a terminal, as `plain_text` otherwise."""
+def pipe_width() -> int:
+    """The width of plain output: COLUMNS where it is set (as `watch` and some shells do),
+    else unlimited (one table row per line, however long)."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return _PLAIN_WIDTH
+    return columns if columns > 0 else _PLAIN_WIDTH
+
+
+def emit(renderable: RenderableType, fit: bool = False) -> None:
+    """Print `renderable`: with rich's colours and boxes on a terminal, as `plain_text` otherwise
+    (with `fit`, no wider than `pipe_width`: only for renderables made to fit, SplitTable)."""
     out = console()
     if out.is_terminal:
         out.print(renderable)
     else:
-        click.echo(plain_text(renderable))
+        click.echo(plain_text(renderable, pipe_width() if fit else _PLAIN_WIDTH))
 
 
-def table(columns: list[str], rows: list[tuple[str, ...]], *, left: int = 1, text_last: bool = False,
-          header: bool = True, plain: bool = True, title: str | None = None) -> RenderableType:
-    """Rows under `columns`: figures right-aligned, the first `left` columns (and the last,
-    with `text_last`) left-aligned. `plain`: no box, two spaces between columns, indented
-    two spaces (one table row per line, split() gives the cells); else a box for a terminal."""
+def _table(columns: list[str], rows: list[tuple[str, ...]], *, left: int, text_last: bool, header: bool, plain: bool,
+           title: str | None) -> Table:
     last = len(columns) - 1
     t = Table(show_header=header, title=None if plain else title, title_justify="left", expand=False,
               box=None if plain else box.SIMPLE_HEAD, pad_edge=True, padding=(0, 1), collapse_padding=not plain,
@@ -118,9 +166,25 @@ def table(columns: list[str], rows: list[tuple[str, ...]], *, left: int = 1, tex
                      min_width=None if plain else widest, style="bold" if i == 0 and not plain else "")
     for row in rows:
         t.add_row(*(Text(cell) for cell in row))  # as written: a namespace's "[...]" is no markup
+    return t
+
+
+def table(columns: list[str], rows: list[tuple[str, ...]], *, left: int = 1, text_last: bool = False,
+          header: bool = True, plain: bool = True, title: str | None = None) -> RenderableType:
+    """Rows under `columns`: figures right-aligned, the first `left` columns (and the last,
+    with `text_last`) left-aligned. `plain`: no box, two spaces between columns, indented
+    two spaces (one table row per line, split() gives the cells); else a box for a terminal."""
+    t = _table(columns, rows, left=left, text_last=text_last, header=header, plain=plain, title=title)
     if plain:
         return Padding(t, (0, 0, 0, 1), expand=False)
     return _Fit(t, table(columns, rows, left=left, text_last=text_last, header=header, plain=True))
+
+
+def _width_needed(console: Console, options, renderable: RenderableType) -> int:
+    """Columns a `table` needs to show every cell and header on one line (a boxed table given
+    less wraps headers and cells, or cuts the widest column short: rich shrinks it first)."""
+    unbounded = options.update(max_width=_PLAIN_WIDTH)
+    return Measurement.get(console, unbounded, renderable.boxed if isinstance(renderable, _Fit) else renderable).maximum
 
 
 class _Fit:
@@ -136,6 +200,60 @@ class _Fit:
             yield self.boxed
         else:
             yield Text(plain_text(self.plain), no_wrap=False)
+
+
+class SplitTable:
+    """A `table` that fits the width it is drawn in (the terminal's, or COLUMNS): whole where it
+    fits, else as narrower tables one under the other, each starting with the `keys` first
+    columns (the row's name) and then a run of the others, in order. `sections` (counts of
+    the columns after the keys) are the preferred splits, e.g. state | movement; a section
+    still too wide is split into as few runs as fit, of about equal length. A run that fits
+    nowhere (the keys alone are about as wide as the terminal) is drawn as its plain lines,
+    which wrap: nothing is cut off."""
+
+    def __init__(self, columns: list[str], rows: list[tuple[str, ...]], *, keys: int = 1, sections: tuple[int, ...] = (),
+                 left: int = 1, text_last: bool = False, plain: bool = True) -> None:
+        self.columns, self.rows, self.keys, self.plain = columns, rows, keys, plain
+        self.left, self.text_last = left, text_last
+        rest = list(range(keys, len(columns)))
+        self.sections = [rest[sum(sections[:i]):sum(sections[:i + 1])] for i in range(len(sections))]
+        done = sum(sections)
+        if done < len(rest):
+            self.sections.append(rest[done:])
+
+    def part(self, picked: list[int]) -> RenderableType:
+        """The table of the key columns and the columns `picked`."""
+        indices = list(range(self.keys)) + picked
+        return table([self.columns[i] for i in indices], [tuple(row[i] for i in indices) for row in self.rows],
+                     left=self.left, text_last=self.text_last and indices[-1] == len(self.columns) - 1, plain=self.plain)
+
+    def runs(self, fits) -> list[list[int]]:
+        """Column runs (after the keys) of the tables to draw; `fits(run)` says whether one fits."""
+        whole = [i for section in self.sections for i in section]
+        if fits(whole) or not any(fits([i]) for i in whole):
+            return [whole]  # whole where it fits; also where the keys leave room for no column (wrapped, then)
+        runs: list[list[int]] = []
+        for section in self.sections:
+            greedy: list[list[int]] = [[]]
+            for i in section:
+                if greedy[-1] and not fits(greedy[-1] + [i]):
+                    greedy.append([])
+                greedy[-1].append(i)
+            n, k = len(section), len(greedy)
+            even = [section[j * n // k:(j + 1) * n // k] for j in range(k)]  # as many runs, of about equal length
+            runs.extend(even if k > 1 and all(fits(run) for run in even) else greedy)
+        return runs
+
+    def __rich_console__(self, console: Console, options):
+        def fits(run: list[int]) -> bool:
+            return _width_needed(console, options, self.part(run)) <= options.max_width
+
+        for run in self.runs(fits):
+            part = self.part(run)
+            if fits(run):
+                yield part
+            else:  # too wide for any table: its plain lines, wrapped where they must, never cut
+                yield Text(plain_text(part if self.plain else part.plain), no_wrap=False)
 
 
 def _human_bytes(n: float) -> str:
@@ -178,6 +296,8 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
 
 _TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
                  "demoted", "refused", "moved in", "corrupt", "io errors", "read/s"]
+#: Where a narrow terminal splits the tier table first: what the tier holds | what moved.
+_TIER_SECTIONS = (7, 8)
 
 
 def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
@@ -210,15 +330,15 @@ def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
             f"{lay.block_tokens} tokens/page, {lay.dtype}, page {_human_bytes(pool.page_bytes)}; "
             f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed; miss history {pool.history_entries} of "
             f"{pool.history_limit} blocks ({_human_bytes(pool.history_bytes)})", style="" if plain else "green"))
-        parts.append(table(_TIER_COLUMNS, _tier_rows(pool), plain=plain))
+        parts.append(SplitTable(_TIER_COLUMNS, _tier_rows(pool), sections=_TIER_SECTIONS, plain=plain))
         if pool.namespaces:
-            parts.append(table(_NAMESPACE_COLUMNS, _namespace_rows(pool), left=2, text_last=True, plain=plain))
+            parts.append(SplitTable(_NAMESPACE_COLUMNS, _namespace_rows(pool), keys=2, left=2, text_last=True, plain=plain))
     return Group(*parts)
 
 
-def render_stats(reply: pb.StatsResponse) -> str:
-    """The stats as plain text (what `kvtier stats` prints into a pipe)."""
-    return plain_text(stats_view(reply, plain=True))
+def render_stats(reply: pb.StatsResponse, width: int = _PLAIN_WIDTH) -> str:
+    """The stats as plain text (what `kvtier stats` prints into a pipe), at most `width` wide."""
+    return plain_text(stats_view(reply, plain=True), width)
 
 
 def _token_option(f):
@@ -241,8 +361,60 @@ def _ask(conn: Connection, method: str, request):
 _SHARED = ("socket", "target", "tls_ca", "tls_cert", "tls_key", "token", "as_json")
 
 
+_INTEGERS = frozenset({FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32,
+                       FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SINT64,
+                       FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED32,
+                       FieldDescriptor.TYPE_SFIXED64})
+
+
+def enum_json(enum: EnumDescriptor, number: int) -> str | None:
+    """An enum value as the CLI writes it everywhere: its name without the prefix all the
+    enum's names share, in lower case (TIER_HOST -> "host", BLOCK_NEVER_STORED ->
+    "never_stored", KV_EVENT_STORED -> "stored"); None for 0 (UNSPECIFIED)."""
+    if number == 0:
+        return None
+    names = [v.name for v in enum.values]
+    prefix = os.path.commonprefix(names)
+    prefix = prefix[:prefix.rfind("_") + 1]  # whole words only
+    value = enum.values_by_number.get(number)
+    return value.name[len(prefix):].lower() if value is not None else str(number)
+
+
+def _field_json(field: FieldDescriptor, value):
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return message_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return enum_json(field.enum_type, value)
+    if field.type in _INTEGERS:
+        return int(value)
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return float(value) if math.isfinite(value) else None
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value.hex()
+    return value
+
+
+def message_json(message) -> dict:
+    """A protobuf message as plain JSON values, every field present (under its proto name):
+    integers as numbers (64-bit ones too, which protobuf's own JSON writes as strings), enums
+    as `enum_json` names, bytes in hex, maps as objects, unset messages as null."""
+    out: dict = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            of = field.message_type.fields_by_name["value"]
+            out[field.name] = {str(k): _field_json(of, v) for k, v in sorted(value.items())}
+        elif field.is_repeated:
+            out[field.name] = [_field_json(field, v) for v in value]
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and not message.HasField(field.name):
+            out[field.name] = None
+        else:
+            out[field.name] = _field_json(field, value)
+    return out
+
+
 def _json(reply: pb.StatsResponse) -> str:
-    return json.dumps(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    return json.dumps(message_json(reply))
 
 
 def _watch_footer(every: float, shown: int, count: int | None) -> Text:
@@ -250,19 +422,28 @@ def _watch_footer(every: float, shown: int, count: int | None) -> Text:
     return Text(f"{time.strftime('%H:%M:%S')} · every {every:g}s{left} · Ctrl-C stops", style="dim")
 
 
+#: `kvtier stats --watch` with no interval.
+WATCH_EVERY = "2s"
+
+
 @click.group("stats", invoke_without_command=True, short_help="Tiers, hit rates, sessions and namespaces of a daemon.",
              epilog="""\b
 Examples:
   kvtier stats --socket /tmp/kvtier/kvtier.sock
-  kvtier stats --watch 2                  # a live view; plain snapshots into a pipe
-  kvtier stats --json | jq .pools
+  kvtier stats --watch                    # a live view, every 2s; plain snapshots into a pipe
+  kvtier stats --watch 500ms --count 20   # 20 snapshots, 0.5s apart
+  kvtier stats --json | jq '.pools[].tiers[] | {tier, cached_pages}'
   kvtier stats why --namespace my-model/tenant-a 64cfe407263f52ded92a449797f627db""")
 @_connection_options
 @_token_option
-@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON (one object per line with --watch).")
-@click.option("--watch", type=click.FloatRange(min=0.05), default=None, metavar="SECONDS",
-              help="Refresh every SECONDS until interrupted: a live view on a terminal, one plain snapshot after "
-                   "another (blank line between) in a pipe.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the stats as JSON, numbers as numbers and tiers as host, disk, ... (one object per line "
+                   "with --watch; docs/cli.md).")
+@click.option("--watch", type=Duration(minimum=0.05), is_flag=False, flag_value=WATCH_EVERY, default=None,
+              metavar="[DURATION]",
+              help=f"Refresh until interrupted, every DURATION (2s, 500ms, 1m; a bare number is seconds), every "
+                   f"{WATCH_EVERY} when given alone (--watch, --watch --count 5): a live view on a terminal, one "
+                   "plain snapshot after another (blank line between) in a pipe.")
 @click.option("--count", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --watch: stop after N snapshots.  [default: until interrupted]")
 @click.pass_context
@@ -292,7 +473,7 @@ def stats(ctx: click.Context, socket: str | None, target: str | None, tls_ca: st
             if as_json:
                 click.echo(_json(reply))
             else:
-                emit(stats_view(reply, plain=not console().is_terminal))
+                emit(stats_view(reply, plain=not console().is_terminal), fit=True)
             return
         out = console()
         if out.is_terminal and not as_json:
@@ -311,7 +492,7 @@ def stats(ctx: click.Context, socket: str | None, target: str | None, tls_ca: st
             if as_json:
                 click.echo(_json(reply))
             else:
-                click.echo(("\n" if shown else "") + render_stats(reply))
+                click.echo(("\n" if shown else "") + render_stats(reply, pipe_width()))
             shown += 1
             if count and shown >= count:
                 return
@@ -524,10 +705,10 @@ def why(keys: tuple[str, ...], socket: str | None, target: str | None, tls_ca: s
                epilog="""\b
 Examples:
   kvtier health-check --socket /tmp/kvtier/kvtier.sock && echo up
-  kvtier health-check --target kvtier.internal:7070 --tls-ca ca.pem --timeout 1""")
+  kvtier health-check --target kvtier.internal:7070 --tls-ca ca.pem --timeout 1s""")
 @_connection_options
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True, metavar="SECONDS",
-              help="Seconds to wait for an answer.")
+@click.option("--timeout", type=Duration(minimum=0, open_min=True), default="3s", show_default=True, metavar="DURATION",
+              help="How long to wait for an answer (1s, 500ms; a bare number is seconds).")
 def health_check(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
                  timeout: float) -> None:
     """Exit 0 only if the daemon reports SERVING (for probes and scripts)."""

@@ -88,7 +88,7 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
              epilog="""\b
 Examples:
   kvtier serve --host-size 8GiB --disk-size 100GiB --cache-dir /var/cache/kvtier
-  kvtier stats --watch 2
+  kvtier stats --watch                    # every 2s; --watch 500ms, --count N
   kvtier COMMAND --help                   # each command's options and examples
 Shell completion (bash; zsh and fish likewise, docs/cli.md):
   eval "$(_KVTIER_COMPLETE=bash_source kvtier)"
@@ -104,10 +104,7 @@ main.add_command(stats)
 main.add_command(health_check)
 # demo's own module says what it does; the listing's one line and the example are the CLI's.
 demo.short_help = demo.short_help or "Start a throwaway daemon and walk one prompt through the cache."
-demo.epilog = demo.epilog or "\b\nExample:\n  kvtier demo --host-size 16MiB --disk-size 64MiB"
-for _param in demo.params:  # its sizes are sizes
-    if _param.name in ("host_size", "disk_size"):
-        _param.metavar = "SIZE"
+demo.epilog = demo.epilog or "\b\nExample:\n  kvtier demo --host-size 16Mi --disk-size 64MiB"
 main.add_command(demo)
 
 
@@ -219,25 +216,44 @@ def events_command(socket: str | None, target: str | None, tls_ca: str | None, t
         conn.close()
 
 
+#: How to install the benchmarks, as scripts/setup.sh does (from a kvtier checkout).
+BENCH_INSTALL = "pip install -e ./benchmarks (from a kvtier checkout; scripts/setup.sh does it)"
+
+
+def _bench_group() -> click.Command | None:
+    """The benchmarks' command group, or None where kvtier-bench is not installed."""
+    try:
+        from kvtier_bench.cli import bench
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("kvtier_bench", "kvtier_bench.cli"):
+            raise  # installed, but something it needs is missing: say which
+        return None
+    return bench
+
+
 class _LazyBench(click.Command):
     """`kvtier bench`: the benchmarks live in their own distribution (kvtier-bench, benchmarks/)
-    and are imported only when this command runs or shows its help, never by `kvtier serve`."""
+    and are imported only when this command runs or shows its help, never by `kvtier serve`.
+    Without them `--help` still answers (and says how to install them); anything else exits 2
+    with that one line."""
 
     def __init__(self) -> None:
         super().__init__("bench", short_help="Benchmarks (the kvtier-bench distribution).",
                          help="Benchmarks of kvtier's tiers against the raw operations they are built on "
-                              "(`kvtier bench --help` lists them; needs kvtier-bench: pip install -e ./benchmarks).",
+                              f"(`kvtier bench --help` lists them; needs kvtier-bench: {BENCH_INSTALL}).",
                          epilog="\b\nExamples:\n  kvtier bench tiers --quick\n  kvtier bench all --quick")
 
     def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            from kvtier_bench.cli import bench
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("kvtier_bench", "kvtier_bench.cli"):
-                raise
-            raise click.ClickException("`kvtier bench` needs the benchmarks: install kvtier-bench "
-                                       "(pip install -e ./benchmarks)") from None
-        return bench.make_context(info_name, args, parent=parent, **extra)
+        bench = _bench_group()
+        if bench is not None:
+            return bench.make_context(info_name, args, parent=parent, **extra)
+        help_names = (parent.help_option_names if parent is not None else None) or ["--help"]
+        if not args or any(arg in help_names for arg in args):
+            self.help = (f"The benchmarks of kvtier's tiers against the raw operations they are built on. They are "
+                         f"not installed here: {BENCH_INSTALL}; then `kvtier bench --help` lists them.")
+            return super().make_context(info_name, ["--help"], parent=parent, **extra)
+        click.echo(f"kvtier bench: the benchmarks are not installed; {BENCH_INSTALL}", err=True)
+        sys.exit(2)
 
 
 main.add_command(_LazyBench())

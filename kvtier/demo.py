@@ -15,6 +15,7 @@ import click
 import numpy as np
 from kvtier_client import Backoff, KVTierClient, PageLayout, Stats
 
+from kvtier.admin import Size
 from kvtier.child import ChildDaemon, ChildDaemonError
 
 DEMO_LAYOUT = PageLayout(layers=4, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
@@ -105,8 +106,10 @@ def render_stats(stats: Stats) -> str:
 
 @click.command("demo")
 @click.option("--prompt", default=DEMO_PROMPT, show_default=False, help="Text whose UTF-8 bytes serve as token ids.")
-@click.option("--host-size", default="16MiB", show_default=True, help="Host tier of the demo daemon.")
-@click.option("--disk-size", default="64MiB", show_default=True, help="Disk tier of the demo daemon.")
+@click.option("--host-size", type=Size(), default="16MiB", show_default=True, metavar="SIZE",
+              help="Host tier of the demo daemon (16MiB, 16Mi, 1GiB).")
+@click.option("--disk-size", type=Size(), default="64MiB", show_default=True, metavar="SIZE",
+              help="Disk tier of the demo daemon.")
 def demo(prompt: str, host_size: str, disk_size: str) -> None:
     """Start a temporary daemon, run one client round trip through it step by step, stop it."""
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as workdir:

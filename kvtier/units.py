@@ -36,7 +36,7 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE.fullmatch(str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read {text!r} as a size; write e.g. 8GiB or 8Gi, 512MiB or 512Mi, 1.5GB "
+            raise ValueError(f"cannot read {text!r} as a size; write e.g. 8GiB, 512MiB, 256KiB, 8Gi, 1.5GB "
                              "or a byte count")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value < 0:

@@ -23,7 +23,7 @@ def test_sizes(text, size):
 
 @pytest.mark.parametrize("text", ["8Gb2", "eight", "8 GiBs", "8Xi", "", "-1Gi", "1e3"])
 def test_sizes_refused(text):
-    with pytest.raises(ValueError, match=r"cannot read .* as a size; write e.g. 8GiB or 8Gi"):
+    with pytest.raises(ValueError, match=r"cannot read .* as a size; write e.g. 8GiB, 512MiB, 256KiB, 8Gi, 1.5GB or a byte count"):
         parse_size(text)
 
 

@@ -4,18 +4,21 @@ and `--version`. Against a real daemon (tests/daemon.py) where a command needs o
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import click
 import pytest
 from click.testing import CliRunner
 from rpc import Conn, keys, run_kvtier
 
-from kvtier.cli import main
+from kvtier.cli import BENCH_INSTALL, main
 from kvtier.server.config import OPTIONS, PATH, SIZE
 
 ESC = "\x1b"
-#: A pipe, whatever the environment the tests run in (rich honours FORCE_COLOR, TTY_COMPATIBLE).
-PIPE = {"TTY_COMPATIBLE": "0"}
+#: A pipe, whatever the environment the tests run in (rich honours FORCE_COLOR, TTY_COMPATIBLE;
+#: `kvtier stats` fits a COLUMNS that is set), so with no width: one table row per line.
+PIPE = {"TTY_COMPATIBLE": "0", "COLUMNS": ""}
 #: What a terminal looks like to rich: forced, 160 columns.
 TERMINAL = {"TTY_COMPATIBLE": "1", "COLUMNS": "160", "NO_COLOR": ""}
 TIER_HEADER = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit", "rate", "evicted", "promoted",
@@ -97,6 +100,58 @@ def test_stats_watch_on_a_terminal_is_a_live_view(daemon):
     assert out.stdout.count("kvtier 0.1.0") >= 2
 
 
+def test_stats_watch_alone_refreshes_every_2s(daemon):
+    out = run_kvtier("stats", "--socket", str(daemon.socket), "--watch", "--count", "2", env=PIPE, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split("\n\n")) == 2
+    live = run_kvtier("stats", "--socket", str(daemon.socket), "--count", "1", "--watch", env=TERMINAL)
+    assert live.returncode == 0, live.stderr
+    assert "every 2s" in live.stdout
+
+
+@pytest.mark.parametrize("interval", ["100ms", "0.1", "0.1s"])
+def test_stats_watch_takes_a_duration(daemon, interval):
+    out = run_kvtier("stats", "--socket", str(daemon.socket), "--watch", interval, "--count", "2", "--json", env=PIPE)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize("interval, message", [("soon", "cannot read 'soon' as a duration"),
+                                               ("10ms", "'10ms' is too short: at least 0.05s")])
+def test_stats_watch_refuses_what_is_no_interval(daemon, interval, message):
+    out = run_kvtier("stats", "--socket", str(daemon.socket), "--watch", interval, env=PIPE)
+    assert out.returncode == 2 and message in out.stderr
+
+
+def plain_lines(text: str) -> list[str]:
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).splitlines()
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("mode", ["terminal", "pipe"])
+def test_stats_fits_the_terminal_width(daemon, columns, mode):
+    """The 16-column tier table (about 140 characters) is split into narrower tables, each
+    starting with the tier: no line longer than the terminal, no column or cell cut off."""
+    env = {**(TERMINAL if mode == "terminal" else PIPE), "COLUMNS": str(columns)}
+    out = run_kvtier("stats", "--socket", str(daemon.socket), env=env)
+    assert out.returncode == 0, out.stderr
+    lines = plain_lines(out.stdout)
+    assert max(len(line) for line in lines) <= columns, "\n".join(line for line in lines if len(line) > columns)
+    assert "…" not in out.stdout  # nothing cut short
+    headers = [line.split() for line in lines if line.split()[:1] == ["tier"]]
+    assert len(headers) >= 2  # split, since the whole table needs about 140 columns
+    words = [word for header in headers for word in header[1:]]
+    assert words == [w for w in TIER_HEADER[1:]]  # every column once, in order, after the tier column
+    hosts = [line.split() for line in lines if line.split()[:1] == ["host"]]
+    assert len(hosts) == len(headers) and hosts[0][1:6] == ["256", "3", "0", "3", "0"]
+    assert any(line.split()[:2] == ["cli-out", "host"] for line in lines)
+
+
+def test_stats_into_a_pipe_without_columns_keeps_one_row_per_line(daemon):
+    out = run_kvtier("stats", "--socket", str(daemon.socket), env={**PIPE, "COLUMNS": ""})
+    assert [line.split() for line in out.stdout.splitlines() if line.startswith("  tier")] == [TIER_HEADER]
+
+
 def test_count_needs_watch(daemon):
     out = run_kvtier("stats", "--socket", str(daemon.socket), "--count", "2", env=PIPE)
     assert out.returncode == 2 and "--count goes with --watch" in out.stderr
@@ -162,7 +217,8 @@ def test_every_command_has_an_example_and_typed_options(command):
 def test_stats_help_shows_the_variables():
     text = help_of("stats")
     assert "KVTIER_SOCKET" in text and "KVTIER_TOKEN" in text
-    assert "--watch SECONDS" in text and "--count N" in text
+    assert "--watch [DURATION]" in text and "--count N" in text
+    assert "every 2s when given alone" in " ".join(text.split())
 
 
 def test_command_summaries_are_whole_sentences():
@@ -239,3 +295,29 @@ def test_bench_summaries_are_whole_sentences():
     summaries = [line.strip() for line in listing.splitlines() if line.strip()]
     assert {s.split()[0] for s in summaries} >= {"all", "tiers", "rpc", "disk", "trace", "cluster", "e2e"}
     assert not any(s.endswith("...") for s in summaries), summaries
+
+
+# -- kvtier bench without the benchmarks ----------------------------------------------------
+@pytest.mark.parametrize("args", [("bench", "--help"), ("bench",), ("bench", "tiers", "-h")])
+def test_bench_help_without_the_benchmarks_says_how_to_install_them(monkeypatch, args):
+    for name in ("kvtier_bench", "kvtier_bench.cli"):  # as if kvtier-bench were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    result = CliRunner().invoke(main, list(args), terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "not installed here: pip install -e ./benchmarks" in result.output and "Usage:" in result.output
+
+
+_WITHOUT_BENCH = """
+import sys
+sys.modules["kvtier_bench"] = None  # as if kvtier-bench were not installed
+from kvtier.cli import main
+main(sys.argv[1:], prog_name="kvtier")
+"""
+
+
+def test_a_bench_without_the_benchmarks_exits_2_with_one_line():
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_BENCH, "bench", "tiers", "--quick"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [f"kvtier bench: the benchmarks are not installed; {BENCH_INSTALL}"]
+    assert "pip install -e ./benchmarks" in BENCH_INSTALL
