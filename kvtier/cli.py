@@ -24,6 +24,7 @@ from kvtier.admin import (
     table,
 )
 from kvtier.demo import demo
+from kvtier.keeper_cli import keeper
 from kvtier.policy import PolicyName
 from kvtier.replay.mooncake import halfway, read_timed_trace, replay
 from kvtier.server.cli import serve
@@ -102,6 +103,7 @@ def main() -> None:
 main.add_command(serve)
 main.add_command(stats)
 main.add_command(health_check)
+main.add_command(keeper)
 # demo's own module says what it does; the listing's one line and the example are the CLI's.
 demo.short_help = demo.short_help or "Start a throwaway daemon and walk one prompt through the cache."
 demo.epilog = demo.epilog or "\b\nExample:\n  kvtier demo --host-size 16Mi --disk-size 64MiB"

@@ -248,7 +248,7 @@ class KVTierClient:
                 hash_fingerprint=keys_mod.hash_fingerprint(registration.algorithm),
                 client_name=self.name,
                 engine_endpoint=self.engine_endpoint,
-                served_model=self.served_model if self.engine_endpoint else "",
+                served_model=self.served_model,
             ),
         )
         info = PoolInfo.from_proto(reply, registration.namespace, registration.layout, registration.algorithm)

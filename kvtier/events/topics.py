@@ -32,8 +32,9 @@ DEFAULT_ENGINE_PORT = 8000
 
 @dataclass(frozen=True)
 class EngineIdentity:
-    """An engine as routers name it: its serving endpoint (`ip:port`) and served model name
-    ("" when it named none: the namespace's model is used)."""
+    """An engine as routers name it: its serving endpoint (`ip:port`; "" for the engine in
+    the daemon's own pod, named by `pod_ip` and `engine_port`) and served model name ("" when
+    it named none: the namespace's model is used)."""
 
     endpoint: str
     model: str = ""
@@ -42,7 +43,9 @@ class EngineIdentity:
     def parse(cls, endpoint: str, model: str = "") -> EngineIdentity:
         """Raises ValueError saying how to write an endpoint."""
         host, sep, port = endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "@" in endpoint:
+        if not endpoint and model:
+            pass  # the engine in the daemon's own pod, naming its model
+        elif not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "@" in endpoint:
             raise ValueError(f"engine endpoint {endpoint!r} is not IP:PORT (e.g. 10.0.3.7:8000, the address routers "
                              "send requests to)")
         if "@" in model or not model.isprintable():
@@ -116,7 +119,7 @@ class Topics:
     def engine(self, namespace: str, engine: EngineIdentity | None, engines: Iterable[EngineIdentity] = ()) -> bytes:
         """The topic crediting `engine` (None: the daemon's own pod) with a namespace's pages."""
         me = self.identity
-        pod_ip, port = engine.address if engine is not None else (me.pod_ip, str(me.engine_port))
+        pod_ip, port = engine.address if engine is not None and engine.endpoint else (me.pod_ip, str(me.engine_port))
         model = engine.model if engine is not None and engine.model else self.model(namespace, engines)
         return self.template.format(host=me.host, node=me.node, pod_ip=pod_ip, port=port, model=model,
                                     namespace=namespace).encode()

@@ -75,9 +75,7 @@ def _rpc(method: Callable | None = None, *, name: str | None = None) -> Callable
 
 def _engine(request: pb.RegisterRequest) -> EngineIdentity | None:
     """The engine the client says it serves for, named in the namespace's KV event topics."""
-    if not request.engine_endpoint:
-        if request.served_model:
-            raise InvalidArgument("served_model needs engine_endpoint (the engine's IP:PORT) beside it")
+    if not request.engine_endpoint and not request.served_model:
         return None
     try:
         return EngineIdentity.parse(cut(request.engine_endpoint), cut(request.served_model))

@@ -134,6 +134,12 @@ def test_the_daemons_own_identity_names_the_topic_when_no_engine_does(daemons, e
         topic = "kv@10.1.2.3:8200@meta-llama/Llama-3.1-8B"
         wait_for(lambda: router.receive() or router.held(topic) == {"HOST_RAM": set(keys)}, WAIT,
                  "the pod's own topic to hold the pages")
+    # The engine in the pod names its served model (the vLLM connector does): that names the topic.
+    with KVTierClient(daemon.target, served_model="org/x") as kv:
+        kv.register("vllm/x", LAYOUT)
+        keys = commit(kv, prompt(6, 1))
+        wait_for(lambda: router.receive() or router.held("kv@10.1.2.3:8200@org/x") == {"HOST_RAM": set(keys)}, WAIT,
+                 "the engine's own model to name the topic")
         with pytest.raises(InvalidArgument, match="IP:PORT"):
             KVTierClient(daemon.target, engine_endpoint="no-port").register("vllm/llama", LAYOUT)
         with pytest.raises(InvalidArgument, match="'@'"):

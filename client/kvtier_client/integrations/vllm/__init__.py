@@ -115,7 +115,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
         "environment; for this repository's CPU checks run scripts/setup_vllm.sh (creates .venv-vllm)."
     ) from exc
 
-from kvtier_client.integrations.vllm.config import ConnectorConfig, default_namespace
+from kvtier_client.integrations.vllm.config import ConnectorConfig, default_namespace, served_model
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadOp, SaveOp
 from kvtier_client.integrations.vllm.request_state import request_salt
@@ -162,7 +162,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         shape = ParallelShape.of(vllm_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(
-            transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config)
+            transfer.kv_connector_extra_config, default_namespace=default_namespace(vllm_config),
+            served_model=served_model(vllm_config),
         )
         block_size = vllm_config.cache_config.block_size
         self.groups = kv_groups(kv_cache_config, vllm_config, self.config.page_tokens)

@@ -104,9 +104,11 @@ class ConnectorConfig:
     on_reset: str = "new_epoch"
     page_tokens: int | None = None  # tokens per kvtier page: a multiple of vLLM's block size (None: one block)
     kv_events_pages: int = 1_000_000  # pages whose tier changes are relayed as KV events, at most (tier_events.py)
+    served_model: str = ""  # vLLM's served model name: the daemon names its KV event topics with it
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str) -> ConnectorConfig:
+    def from_extra(cls, extra: dict[str, Any] | None, *, default_namespace: str,
+                   served_model: str = "") -> ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(CONFIG_KEYS))
         if unknown:
@@ -155,20 +157,27 @@ class ConnectorConfig:
             async_loads=_as_choice(extra, "async_loads", ASYNC_LOADS),
             max_load_tokens=_as_tokens(extra, "max_load_tokens", 0), on_reset=_as_choice(extra, "on_reset", ON_RESET),
             page_tokens=_as_tokens(extra, "page_tokens", 1),  # a multiple of vLLM's block (kv_groups checks)
-            kv_events_pages=_as_count(extra, "kv_events_pages", cls.kv_events_pages),
+            kv_events_pages=_as_count(extra, "kv_events_pages", cls.kv_events_pages), served_model=served_model,
         )
 
     def client(self, name: str, *, map_arena: bool = True) -> KVTierClient:
         return KVTierClient(
             self.target, token=self.token, tls=self.tls, insecure=self.insecure, name=name, map_arena=map_arena,
             backoff=Backoff(total=self.connect_timeout), timeout=max(30.0, self.connect_timeout),
+            served_model=self.served_model or None,  # the engine's endpoint: $KVTIER_ENGINE_ENDPOINT (node-wide daemons)
         )
 
 
-def default_namespace(vllm_config: VllmConfig) -> str:
-    """`vllm/<served model name>`: the namespace when kv_connector_extra_config names none."""
+def served_model(vllm_config: VllmConfig) -> str:
+    """The name requests use for the model (`--served-model-name`, else the model): routers
+    such as llm-d hash it into their keys, so KV event topics must carry it exactly."""
     model = vllm_config.model_config
     served = model.served_model_name
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
-    return "vllm/" + str(served or model.model).lstrip("/")
+    return str(served or model.model)
+
+
+def default_namespace(vllm_config: VllmConfig) -> str:
+    """`vllm/<served model name>`: the namespace when kv_connector_extra_config names none."""
+    return "vllm/" + served_model(vllm_config).lstrip("/")
