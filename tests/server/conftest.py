@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 from daemon import Daemon, keeper_socket, start_daemon, stop_keeper
+from event_subscriber import Sub
 from rpc import Conn, serve
 
 
@@ -94,3 +96,24 @@ def connect():
     yield factory
     for conn in reversed(opened):
         conn.close()
+
+
+@pytest.fixture
+def events_endpoint():
+    """A ZMQ endpoint for a daemon's KV events to bind."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:  # an ipc:// path must be short
+        yield f"ipc://{directory}/events"
+
+
+@pytest.fixture
+def subs():
+    """subs(Kind, endpoint) opens a Sub (or subclass); all are closed at teardown."""
+    opened: list[Sub] = []
+
+    def open_(kind: type[Sub], endpoint: str) -> Sub:
+        opened.append(kind(endpoint))
+        return opened[-1]
+
+    yield open_
+    for sub in opened:
+        sub.close()

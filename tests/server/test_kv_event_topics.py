@@ -11,39 +11,28 @@ state"): a real daemon binds its ZMQ endpoint, a SUB socket here plays the route
 """
 from __future__ import annotations
 
-import tempfile
-import time
-
 import subprocess
 
 import msgspec
 import pytest
-import zmq
-from kvtier_client import KVTierClient, PageLayout
+from event_subscriber import LAYOUT, Sub, commit, prompt
+from kvtier_client import KVTierClient
 from kvtier_client.errors import InvalidArgument
 from rpc import KVTIER, wait_for
 
-LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")
-BLOCK = LAYOUT.block_tokens
 WAIT = 10.0
 
 
-class Subscriber:
-    """A SUB socket connected to the daemon's bound endpoint, subscribed to everything."""
+class Subscriber(Sub):
+    """Everything the daemon sends, decoded: (topic, sequence, events)."""
 
     def __init__(self, endpoint: str) -> None:
-        self.context = zmq.Context()
-        self.sub = self.context.socket(zmq.SUB)
-        self.sub.connect(endpoint)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.messages: list[tuple[str, int, list]] = []  # (topic, seq, events)
+        super().__init__(endpoint)
+        self.messages: list[tuple[str, int, list]] = []
 
     def receive(self, seconds: float = 0.05) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.sub.poll(int(left * 1000)):
-                topic, seq, payload = self.sub.recv_multipart()
-                self.messages.append((topic.decode(), int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)[1]))
+        for topic, seq, payload in self.frames(seconds):
+            self.messages.append((topic.decode(), int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)[1]))
 
     def held(self, topic: str) -> dict[str, set[bytes]]:
         """What `topic` has been told it holds: medium -> keys (BlockStored minus BlockRemoved)."""
@@ -64,45 +53,17 @@ class Subscriber:
         return [(e["parent_block_hash"], e["block_hashes"]) for t, _, events in self.messages if t == topic
                 for e in events if e["type"] == "BlockStored"]
 
-    def close(self) -> None:
-        self.sub.close(linger=0)
-        self.context.term()
 
 
 @pytest.fixture
-def endpoint():
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:  # an ipc:// path must be short
-        yield f"ipc://{directory}/events"
+def subscribers(subs):
+    return lambda endpoint: subs(Subscriber, endpoint)
 
 
-@pytest.fixture
-def subscribers():
-    opened: list[Subscriber] = []
-
-    def open_(endpoint: str) -> Subscriber:
-        opened.append(Subscriber(endpoint))
-        return opened[-1]
-
-    yield open_
-    for sub in opened:
-        sub.close()
-
-
-def commit(kv: KVTierClient, tokens: list[int]) -> list[bytes]:
-    keys = kv.block_keys(tokens)
-    with kv.borrow(len(keys)) as lease:
-        kv.commit(lease, keys, token_ids=tokens)
-    return keys
-
-
-def prompt(tag: int, blocks: int) -> list[int]:
-    return [tag * 10_000 + i for i in range(blocks * BLOCK)]
-
-
-def test_a_node_wide_daemon_credits_every_engine_attached_to_a_namespace(daemons, endpoint, subscribers):
-    daemon = daemons.start("--events", endpoint, "--events-reannounce", "0", "--node-name", "node-7",
+def test_a_node_wide_daemon_credits_every_engine_attached_to_a_namespace(daemons, events_endpoint, subscribers):
+    daemon = daemons.start("--events", events_endpoint, "--events-reannounce", "0", "--node-name", "node-7",
                            "--events-cluster-topic", "kv@pool@{model}")
-    router = subscribers(endpoint)
+    router = subscribers(events_endpoint)
     a_topic, b_topic, c_topic = ("kv@10.0.0.1:8000@llama", "kv@10.0.0.2:8000@llama", "kv@10.0.0.3:8001@llama")
     with (KVTierClient(daemon.target, engine_endpoint="10.0.0.1:8000", served_model="llama") as a,
           KVTierClient(daemon.target, engine_endpoint="10.0.0.2:8000", served_model="llama") as b):
@@ -124,10 +85,10 @@ def test_a_node_wide_daemon_credits_every_engine_attached_to_a_namespace(daemons
     assert not [t for t, _, _ in router.messages if "node-7" in t or t.startswith("kv@pool@")]
 
 
-def test_the_daemons_own_identity_names_the_topic_when_no_engine_does(daemons, endpoint, subscribers):
-    daemon = daemons.start("--events", endpoint, "--pod-ip", "10.1.2.3", "--engine-port", "8200",
+def test_the_daemons_own_identity_names_the_topic_when_no_engine_does(daemons, events_endpoint, subscribers):
+    daemon = daemons.start("--events", events_endpoint, "--pod-ip", "10.1.2.3", "--engine-port", "8200",
                            "--events-models", "vllm/llama=meta-llama/Llama-3.1-8B", "--events-media", "host=HOST_RAM")
-    router = subscribers(endpoint)
+    router = subscribers(events_endpoint)
     with KVTierClient(daemon.target) as kv:
         kv.register("vllm/llama", LAYOUT)
         keys = commit(kv, prompt(3, 2))
@@ -146,15 +107,15 @@ def test_the_daemons_own_identity_names_the_topic_when_no_engine_does(daemons, e
             KVTierClient(daemon.target, engine_endpoint="10.0.0.1:8000", served_model="a@b").register("x", LAYOUT)
 
 
-def test_late_subscribers_and_restarts_are_told_the_whole_state(daemons, endpoint, subscribers, tmp_path):
-    args = ("--events", endpoint, "--pod-ip", "10.0.0.9", "--events-models", "m=model", "--write-through",
+def test_late_subscribers_and_restarts_are_told_the_whole_state(daemons, events_endpoint, subscribers, tmp_path):
+    args = ("--events", events_endpoint, "--pod-ip", "10.0.0.9", "--events-models", "m=model", "--write-through",
             "--events-reannounce", "0", "--warm-restart-window", "0")
     daemon = daemons.start(*args, name="restart")
     topic = "kv@10.0.0.9:8000@model"
     with KVTierClient(daemon.target) as kv:
         kv.register("m", LAYOUT)
         keys = commit(kv, prompt(4, 4))
-        early = subscribers(endpoint)
+        early = subscribers(events_endpoint)
         wait_for(lambda: early.receive() or early.held(topic) == {"CPU": set(keys), "DISK": set(keys)}, WAIT,
                  "a subscriber joining after the commits to be told host and disk copies")
         # Parents first: the chain is told in one event per tier, its first block a root.
@@ -163,7 +124,7 @@ def test_late_subscribers_and_restarts_are_told_the_whole_state(daemons, endpoin
     early.receive(0.5)
     assert early.held(topic) == {}  # taken back at the stop: nothing is served until the next daemon
     again = daemons.start(*args, name="restart")
-    late = subscribers(endpoint)
+    late = subscribers(events_endpoint)
     late.receive(0.5)  # subscribed; the layout's pool opens (and reads its disk pages) at its first Register
     with KVTierClient(again.target) as kv:
         kv.register("m", LAYOUT)
@@ -171,9 +132,9 @@ def test_late_subscribers_and_restarts_are_told_the_whole_state(daemons, endpoin
                  "the restarted daemon to tell its disk pages")
 
 
-def test_periodic_reannounce_repeats_the_state(daemons, endpoint, subscribers):
-    daemon = daemons.start("--events", endpoint, "--events-reannounce", "1s", "--pod-ip", "10.0.0.4")
-    router = subscribers(endpoint)
+def test_periodic_reannounce_repeats_the_state(daemons, events_endpoint, subscribers):
+    daemon = daemons.start("--events", events_endpoint, "--events-reannounce", "1s", "--pod-ip", "10.0.0.4")
+    router = subscribers(events_endpoint)
     with KVTierClient(daemon.target) as kv:
         kv.register("ns", LAYOUT)
         keys = commit(kv, prompt(5, 2))

@@ -9,79 +9,41 @@ makes a plain repeated BlockStored outlive a block's eviction.
 """
 from __future__ import annotations
 
-import tempfile
 import time
 
 import pytest
-import zmq
-from kvtier_client import KVTierClient, PageLayout
+from event_subscriber import BLOCK, LAYOUT, Sub, commit, prompt
+from kvtier_client import KVTierClient
 from kvtier_client.tiers import Tier
 from llmd_index import LlmdIndex
 from rpc import wait_for
 
-LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")  # 3072-byte pages
-BLOCK = LAYOUT.block_tokens
 MODEL = "Qwen/Qwen3-8B"
 WAIT = 15.0
 WEIGHTS = {"gpu": 1.0, "hbm": 0.9, "cpu": 0.8, "disk": 0.5, "shared": 0.3}
 
 
-class Router:
+class Router(Sub):
     """An llm-d router in centralized mode, as far as events go: a SUB socket (connected to
     the daemon's bound endpoint here) whose every message goes through llm-d's event path."""
 
     def __init__(self, endpoint: str) -> None:
-        self.context = zmq.Context()
-        self.sub = self.context.socket(zmq.SUB)
-        self.sub.connect(endpoint)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's topicFilter
+        super().__init__(endpoint, b"kv@")  # llm-d's topicFilter
         self.index = LlmdIndex(block_size_tokens=BLOCK, weights=WEIGHTS)
-        self.messages = 0
 
     def receive(self, seconds: float = 0.05) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.sub.poll(int(left * 1000)):
-                self.index.feed(*self.sub.recv_multipart())
-                self.messages += 1
+        for frames in self.frames(seconds):
+            self.index.feed(*frames)
 
     def credited(self, tokens: list[int]) -> list[dict[str, set[str]]]:
         """For each block of a prompt, the endpoints llm-d credits and in which tiers."""
         return [self.index.pods_holding(key) for key in self.index.request_keys(MODEL, tokens)]
 
-    def close(self) -> None:
-        self.sub.close(linger=0)
-        self.context.term()
 
 
 @pytest.fixture
-def endpoint():
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:  # an ipc:// path must be short
-        yield f"ipc://{directory}/events"
-
-
-@pytest.fixture
-def routers():
-    opened: list[Router] = []
-
-    def open_(endpoint: str) -> Router:
-        opened.append(Router(endpoint))
-        return opened[-1]
-
-    yield open_
-    for router in opened:
-        router.close()
-
-
-def prompt(tag: int, blocks: int) -> list[int]:
-    return [tag * 10_000 + i for i in range(blocks * BLOCK)]
-
-
-def commit(kv: KVTierClient, tokens: list[int]) -> list[bytes]:
-    keys = kv.block_keys(tokens)
-    with kv.borrow(len(keys)) as lease:
-        kv.commit(lease, keys, token_ids=tokens)
-    return keys
+def routers(subs):
+    return lambda endpoint: subs(Router, endpoint)
 
 
 def truth(kv: KVTierClient, tokens: list[int], pods: list[str]) -> list[dict[str, set[str]]]:
@@ -97,10 +59,10 @@ def agrees(router: Router, kv: KVTierClient, prompts: list[list[int]], pods: lis
     return all(router.credited(p) == truth(kv, p, pods) for p in prompts)
 
 
-def test_llm_d_credits_each_page_to_its_engine_and_tier_through_repeats_and_evictions(daemons, endpoint, routers):
-    daemon = daemons.start("--events", endpoint, "--pod-ip", "10.0.0.1", "--events-models", f"ns={MODEL}",
+def test_llm_d_credits_each_page_to_its_engine_and_tier_through_repeats_and_evictions(daemons, events_endpoint, routers):
+    daemon = daemons.start("--events", events_endpoint, "--pod-ip", "10.0.0.1", "--events-models", f"ns={MODEL}",
                            "--write-through", "--policy", "lru", "--events-reannounce", "1s", host_size="16KiB")
-    router = routers(endpoint)
+    router = routers(events_endpoint)
     pod = ["10.0.0.1:8000"]
     with KVTierClient(daemon.target) as kv:
         kv.register("ns", LAYOUT)
@@ -123,9 +85,9 @@ def test_llm_d_credits_each_page_to_its_engine_and_tier_through_repeats_and_evic
     assert router.index.dropped.total() == router.index.dropped["filtered_topic"]
 
 
-def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all(daemons, endpoint, routers):
-    daemon = daemons.start("--events", endpoint, "--write-through", "--events-reannounce", "0")
-    early = routers(endpoint)
+def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all(daemons, events_endpoint, routers):
+    daemon = daemons.start("--events", events_endpoint, "--write-through", "--events-reannounce", "0")
+    early = routers(events_endpoint)
     pods = ["10.0.1.1:8000", "10.0.1.2:8000"]
     with (KVTierClient(daemon.target, engine_endpoint=pods[0], served_model=MODEL) as a,
           KVTierClient(daemon.target, engine_endpoint=pods[1], served_model=MODEL) as b):
@@ -135,7 +97,7 @@ def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all
         commit(a, prompts[0])
         commit(b, prompts[1])
         wait_for(lambda: agrees(early, a, prompts, pods), WAIT, "both engines credited with both engines' pages")
-        late = routers(endpoint)  # a router that starts now learns the whole state when it subscribes
+        late = routers(events_endpoint)  # a router that starts now learns the whole state when it subscribes
         wait_for(lambda: agrees(late, a, prompts, pods), WAIT, "a late router to learn everything")
         early.receive(0.5)  # and the early one, which heard the repeat too, still agrees
         assert all(early.credited(p) == truth(a, p, pods) for p in prompts)
@@ -144,13 +106,13 @@ def test_a_node_wide_daemon_credits_every_engine_and_a_late_router_learns_it_all
              "departed engines' credit taken back")
 
 
-def test_after_a_restart_llm_d_credits_the_disk_pages_again(daemons, endpoint, routers):
+def test_after_a_restart_llm_d_credits_the_disk_pages_again(daemons, events_endpoint, routers):
     """Token ids are kept in the disk index: a restarted daemon tells its disk pages with
     them, so a router that matches by tokens credits them although the stop took them back."""
-    args = ("--events", endpoint, "--pod-ip", "10.0.2.1", "--events-models", f"ns={MODEL}", "--write-through",
+    args = ("--events", events_endpoint, "--pod-ip", "10.0.2.1", "--events-models", f"ns={MODEL}", "--write-through",
             "--events-reannounce", "0", "--warm-restart-window", "0")
     daemon = daemons.start(*args, name="restart")
-    router = routers(endpoint)
+    router = routers(events_endpoint)
     pod = ["10.0.2.1:8000"]
     prompts = [prompt(6, 3), prompt(7, 2)]
     with KVTierClient(daemon.target) as kv:
