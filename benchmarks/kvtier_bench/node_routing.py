@@ -23,15 +23,16 @@ class PrefixAffinity:
     """A request goes to the engine the router already sent the longest prefix of it, when
     that prefix is more than `threshold` of the request's blocks; otherwise (a new
     conversation, or one whose shared part is only a common system prompt) to the engine
-    sent the fewest blocks so far. SGLang's cache-aware router decides the same way (its
-    cache_threshold, 0.5 by default; the smallest tree otherwise).
+    sent the fewest blocks so far. That is the cache-affinity rule of SGLang's cache-aware
+    router (SMG), with its default cache-threshold of 0.3.
 
     Trace ids are prefix-chained, so one block names its whole prefix and an engine's match is
     the deepest block it was sent. The router keeps its own record of what it sent where, as
     llm-d's approximate prefix scorer does: it does not see what the engines' caches evicted.
-    Ties go to the engine that last got the block, then to the least loaded."""
+    Ties go to the engine that last got the block, then to the least loaded. There is no
+    load-imbalance switch: with one request in flight per engine, queues never differ."""
 
-    def __init__(self, engines: int, threshold: float = 0.5) -> None:
+    def __init__(self, engines: int, threshold: float = 0.3) -> None:
         self.engines = engines
         self.threshold = threshold
         self.sent_to: dict[int, int] = {}  # block -> bit mask of the engines sent it

@@ -21,11 +21,11 @@ CONVERSATIONS, TURNS = 5, 4
 
 
 def _chat_trace(tmp_path) -> str:
-    """Every conversation opens with a shared 1-block system prompt; each turn adds 2 blocks."""
+    """Every conversation opens with a shared 1-block system prompt; each turn adds 3 blocks."""
     lines = []
     for turn in range(TURNS):
         for c in range(CONVERSATIONS):
-            ids = [0, *(100 * (c + 1) + i for i in range(2 * (turn + 1)))]
+            ids = [0, *(100 * (c + 1) + i for i in range(3 * (turn + 1)))]
             lines.append(json.dumps({"timestamp": turn * 1000 + c, "hash_ids": ids}) + "\n")
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(lines))
@@ -65,11 +65,11 @@ def test_the_cli_on_interleaved_conversations_saves_every_file(bench_dir, tmp_pa
     (point,) = data["points"]
     runs = {r["setup"]: r for r in point["runs"]}
     assert list(runs) == ["shared", "private", "private-sticky"]
-    blocks = sum(1 + 2 * (t + 1) for t in range(TURNS)) * CONVERSATIONS
+    blocks = sum(1 + 3 * (t + 1) for t in range(TURNS)) * CONVERSATIONS
     # Private, round-robin: only the system prompt, after each engine's first request. Sticky: that
     # too, and each conversation's earlier turns, on its own engine. Shared: the same, and the system
     # prompt of every request after the first, unless it raced the first one's commit.
-    earlier_turns = sum(2 * t for t in range(TURNS)) * CONVERSATIONS
+    earlier_turns = sum(3 * t for t in range(TURNS)) * CONVERSATIONS
     assert runs["private"]["hits"] == CONVERSATIONS * TURNS - ENGINES
     assert runs["private-sticky"]["hits"] == CONVERSATIONS * TURNS - ENGINES + earlier_turns
     assert runs["private-sticky"]["hits"] <= runs["shared"]["hits"] <= CONVERSATIONS * TURNS - 1 + earlier_turns
@@ -85,8 +85,9 @@ def test_routers():
     rr = RoundRobin(4)
     assert [rr.route([0]) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
 
-    sticky = PrefixAffinity(4)
-    assert [sticky.route([0, c]) for c in (1, 2, 3, 4)] == [0, 1, 2, 3]  # new conversations: least loaded first
-    assert sticky.route([0, 3, 30]) == 2  # 2 of its 3 blocks were sent to engine 2
-    assert sticky.route([0, 3, 30, 31, 32, 33, 34]) == 0  # 3 of 7 is not more than half: the least loaded
-    assert sticky.route([0, 9]) == 1  # only the first block, sent to every engine, matches: the least loaded
+    sticky = PrefixAffinity(4)  # threshold 0.3
+    new = [sticky.route([0, c, c + 100, c + 200]) for c in (1, 2, 3, 4)]  # 1 of 4 blocks matches: least loaded
+    assert new == [0, 1, 2, 3]
+    assert sticky.route([0, 3, 103, 203, 5]) == 2  # 4 of its 5 blocks were sent to engine 2
+    assert sticky.route([0, 3, 103, *range(40, 47)]) == 0  # 3 of 10 is not more than 0.3: the least loaded
+    assert sticky.route([0, 9, 90, 900]) == 1  # only the first block, sent to every engine: the least loaded
