@@ -193,7 +193,7 @@ def test_source_endpoint_replaces_the_topics_pod():
     for i, endpoint in enumerate((POD, "10.0.0.1:8003")):
         publish(index, stored(Tier.DEVICE, [key(i)], tokens(16)), source_endpoint=endpoint)
     (request_key,) = index.request_keys(MODEL, tokens(16))
-    assert index.pods_holding(request_key) == {POD: {"gpu"}, "10.0.0.1:8003": {"gpu"}}
+    assert index.pods_holding(request_key) == {POD: {"hbm"}, "10.0.0.1:8003": {"hbm"}}
 
 
 def test_unknown_parent_is_dropped_and_a_known_one_continues_the_chain():
@@ -213,7 +213,7 @@ def test_token_less_store_adds_a_tier_and_removal_takes_exactly_that_tier():
     request_keys = index.request_keys(MODEL, ids)
     publish(index, stored(Tier.DEVICE, keys, ids))
     publish(index, stored(Tier.HOST, keys, None))  # kvtier's copy to host, no token ids
-    assert all(index.pods_holding(k) == {POD: {"gpu", "cpu"}} for k in request_keys)
+    assert all(index.pods_holding(k) == {POD: {"hbm", "cpu"}} for k in request_keys)
     publish(index, removed(Tier.DEVICE, keys))
     assert all(index.pods_holding(k) == {POD: {"cpu"}} for k in request_keys)
     assert index.request_key_of(keys[0]) == request_keys[0]
@@ -275,15 +275,20 @@ def test_every_reannouncement_adds_a_remove_llm_d_waits_for():
 
 
 def test_two_publishers_of_one_medium_under_one_pod_share_one_entry():
-    """PodEntry is (pod, tier): when vLLM and kvtier both say GPU under one pod id, either's
-    BlockRemoved takes the credit for both copies of the same tokens."""
+    """PodEntry is (pod, tier): had kvtier's device tier said GPU, as vLLM's own cache does
+    under the same pod id, its BlockRemoved would take the engine's credit too. It says HBM
+    (kvtier_client.event_media), so the engine's GPU blocks stay credited."""
     index = LlmdIndex()
     ids = tokens(32)
     vllm_store = ["BlockStored", [1 << 40, (1 << 40) + 1], None, ids, 16, None, "GPU", None]
     index.feed(TOPIC, SEQ, msgspec.msgpack.encode([0.0, [vllm_store], 0]))
     publish(index, stored(Tier.DEVICE, [key(1), key(2)], ids))
     publish(index, removed(Tier.DEVICE, [key(1), key(2)]))
-    assert index.score(MODEL, ids) == {}
+    assert index.score(MODEL, ids) == {POD: 2.0}  # vLLM's two GPU blocks
+    vllm_removed = ["BlockRemoved", [1 << 40, (1 << 40) + 1], "GPU", None]
+    same_medium = ["BlockStored", [1 << 41, (1 << 41) + 1], None, ids, 16, None, "GPU", None]
+    index.feed(TOPIC, SEQ, msgspec.msgpack.encode([0.0, [same_medium, vllm_removed], 0]))
+    assert index.score(MODEL, ids) == {}  # one GPU entry for both: either's removal takes it
 
 
 def test_all_blocks_cleared_clears_one_pod_and_its_reference_counts():
