@@ -6,6 +6,11 @@ kvtier must give the greedy tokens and logprobs of a reference run without it.
 Tensor parallel: a TP=2 engine (two worker processes, one core each) stores P1; a TP=1
 engine of the same model finds P1 in the pages TP=2 wrote (an external hit of all its full
 blocks) and stores P2; a TP=2 engine then finds P2 in the pages TP=1 wrote.
+
+Each engine run costs about half a minute on 2 cores, so the default suite runs one case
+that crosses shapes (Gemma-3, stored at TP=2, loaded at TP=1, two KV cache groups) and the
+Mamba refusal; `-m slow` runs the whole matrix (about 7 minutes more). The engine-free checks
+(test_vllm_connector.py) cover every shape's page maths in the default suite.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ def _prompt_files(tmp_path: Path, **prompts: list[str]) -> dict[str, Path]:
     return files
 
 
+@pytest.mark.slow  # the whole matrix: run with -m slow
 def test_tensor_parallel_engines_share_pages_both_ways(tmp_path: Path) -> None:
     rng = random.Random(11)
     p1, p2 = _words(rng, 300), _words(rng, 200)
@@ -100,7 +106,12 @@ ARCH_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ARCH_CASES))
+#: The case the default suite runs; the others are `slow`.
+DEFAULT_CASE = "gemma3-tp2-to-tp1"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == DEFAULT_CASE else pytest.mark.slow)
+                                  for c in sorted(ARCH_CASES)])
 def test_architecture_round_trip(tmp_path: Path, case: str) -> None:
     """Cold run stores every full prompt page; a fresh engine gets them as external hits
     with the reference's tokens and logprobs."""
