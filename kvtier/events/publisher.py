@@ -39,7 +39,7 @@ from kvtier_client.tiers import Tier
 from kvtier.events.access import AccessOptions, EndpointAccess
 from kvtier.events.engines import Engines
 from kvtier.events.records import Event, Record, coalesce
-from kvtier.events.sink import PoolEvents
+from kvtier.events.sink import Held, PoolEvents
 from kvtier.events.topics import DaemonIdentity, EngineIdentity, Topics, parse_models
 from kvtier.events.watch import Watcher, check_room
 from kvtier.events.wire import Encoder, EventFormat
@@ -92,7 +92,7 @@ class EventPublisher:
 
     def __init__(self, endpoint: str | None, *, topics: Topics | None = None,
                  layout: EventFormat | str = EventFormat.MAP, media: dict[Tier, str] | None = None,
-                 buffer_records: int = BUFFER_RECORDS, access: EndpointAccess = EndpointAccess(),
+                 buffer_records: int = BUFFER_RECORDS, access: EndpointAccess | None = None,
                  reannounce: float = 0.0) -> None:
         self.engines = Engines()
         self._buffer_records = buffer_records
@@ -100,7 +100,7 @@ class EventPublisher:
         self._ready = threading.Event()  # a sink has records, or an engine came or went
         self._sinks: list[PoolEvents] = []
         self._opened: list[PoolEvents] = []  # new sinks whose store's state is yet to be told
-        self._out = (ZmqOut(endpoint, access, topics or Topics(), Encoder(EventFormat(layout), media), self.engines)
+        self._out = (ZmqOut(endpoint, access or EndpointAccess(), topics or Topics(), Encoder(EventFormat(layout), media), self.engines)
                      if endpoint and endpoint != WATCH_ONLY else None)
         self._watchers: list[Watcher] = []
         self._lock = threading.Lock()  # the sinks, the watchers and the counters
@@ -122,7 +122,7 @@ class EventPublisher:
                    access=access, reannounce=events.reannounce)
 
     # -- for the daemon ---------------------------------------------------------------
-    def sink(self, block_size: int, held=None) -> PoolEvents:
+    def sink(self, block_size: int, held: Held | None = None) -> PoolEvents:
         """A new pool's sink (`store.events = publisher.sink(layout.block_tokens, store.held)`):
         one per store, as every call comes under that store's lock; `held` reads the
         store's whole state for re-announcing it."""
@@ -250,7 +250,7 @@ class EventPublisher:
         for sink in sinks if sinks is not None else self._all_sinks():
             records += (r for r in sink.state(True, namespace) if not stored or r[5] is not None)
         gone = coalesce([(False, tier, ns, key, None, None, size) for _, tier, ns, key, _, _, size in records
-                         if tier is not Tier.CLUSTER])
+                         if stored or tier is not Tier.CLUSTER])
         told = coalesce(records) if stored else {}
         ts = time.time()
         sent = 0
