@@ -7,10 +7,10 @@ Tensor parallel: a TP=2 engine (two worker processes, one core each) stores P1; 
 engine of the same model finds P1 in the pages TP=2 wrote (an external hit of all its full
 blocks) and stores P2; a TP=2 engine then finds P2 in the pages TP=1 wrote.
 
-Each engine run costs about half a minute on 2 cores, so the default suite runs one case
-that crosses shapes (Gemma-3, stored at TP=2, loaded at TP=1, two KV cache groups) and the
-Mamba refusal; `-m slow` runs the whole matrix (about 7 minutes more). The engine-free checks
-(test_vllm_connector.py) cover every shape's page maths in the default suite.
+Each engine run costs about half a minute on 2 cores, so the default suite runs only the
+Mamba refusal here (test_vllm_e2e.py runs engines end to end, and the engine-free checks of
+test_vllm_connector.py cover every shape's page maths); `-m slow` runs the whole matrix
+(about 8 minutes more).
 """
 from __future__ import annotations
 
@@ -106,12 +106,8 @@ ARCH_CASES = {
 }
 
 
-#: The case the default suite runs; the others are `slow`.
-DEFAULT_CASE = "gemma3-tp2-to-tp1"
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == DEFAULT_CASE else pytest.mark.slow)
-                                  for c in sorted(ARCH_CASES)])
+@pytest.mark.slow  # the whole matrix: run with -m slow
+@pytest.mark.parametrize("case", sorted(ARCH_CASES))
 def test_architecture_round_trip(tmp_path: Path, case: str) -> None:
     """Cold run stores every full prompt page; a fresh engine gets them as external hits
     with the reference's tokens and logprobs."""
