@@ -34,13 +34,7 @@ from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
-    BorrowAfterCommitError,
-    DaemonRestarted,
-    FailedPrecondition,
-    KVTierError,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
+    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
     from_status,
 )
 from kvtier_client.events import EventStream
@@ -53,21 +47,8 @@ from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.protocol import (
-    PAGE_PIECE_BYTES,
-    Granted,
-    Wait,
-    check_lent_tier,
-    check_token_ids,
-    wait_request,
-)
-from kvtier_client.results import (
-    CommitResult,
-    Explanation,
-    LookupResult,
-    PoolInfo,
-    Stats,
-)
+from kvtier_client.protocol import PAGE_PIECE_BYTES, Granted, Wait, check_lent_tier, check_token_ids, wait_request
+from kvtier_client.results import CommitResult, Explanation, LookupResult, PoolInfo, Stats
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto

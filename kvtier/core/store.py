@@ -75,13 +75,7 @@ from kvtier.core.cluster import ClusterCopies
 from kvtier.core.held import HeldCopy, held_copies
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.index import (
-    Block,
-    BlockIndex,
-    NamespaceCounters,
-    TierCounters,
-    TierState,
-    check_keys,
-    check_namespace,
+    Block, BlockIndex, NamespaceCounters, TierCounters, TierState, check_keys, check_namespace,
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
@@ -89,17 +83,8 @@ from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
-    BlockState,
-    BlockStatus,
-    CommitOutcome,
-    Explanation,
-    NamespaceTierUsage,
-    NamespaceUsage,
-    PrefixMatch,
-    ReadGrant,
-    StoreUsage,
-    TierUsage,
-    WriteGrant,
+    BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
+    StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
 from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, Writes

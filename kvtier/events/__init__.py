@@ -17,12 +17,7 @@ from kvtier.events.publisher import WATCH_ONLY, EventPublisher, EventStats
 from kvtier.events.records import Event, EventKind
 from kvtier.events.sink import PoolEvents
 from kvtier.events.topics import (
-    DEFAULT_CLUSTER_TOPIC,
-    DEFAULT_ENGINE_PORT,
-    DEFAULT_TOPIC,
-    DaemonIdentity,
-    EngineIdentity,
-    Topics,
+    DEFAULT_CLUSTER_TOPIC, DEFAULT_ENGINE_PORT, DEFAULT_TOPIC, DaemonIdentity, EngineIdentity, Topics,
 )
 from kvtier.events.watch import Watcher
 from kvtier.events.wire import LOCALITY, EventFormat

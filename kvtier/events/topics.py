@@ -41,11 +41,11 @@ class EngineIdentity:
 
     @classmethod
     def parse(cls, endpoint: str, model: str = "") -> EngineIdentity:
-        """Raises ValueError saying how to write an endpoint."""
+        """Raises ValueError saying how to write an endpoint. An empty endpoint with a model
+        is the engine in the daemon's own pod, naming its model."""
         host, sep, port = endpoint.rpartition(":")
-        if not endpoint and model:
-            pass  # the engine in the daemon's own pod, naming its model
-        elif not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "@" in endpoint:
+        valid = sep and host and port.isdigit() and 0 < int(port) < 65536 and "@" not in endpoint
+        if endpoint and not valid:
             raise ValueError(f"engine endpoint {endpoint!r} is not IP:PORT (e.g. 10.0.3.7:8000, the address routers "
                              "send requests to)")
         if "@" in model or not model.isprintable():
