@@ -119,8 +119,7 @@ class _PageBench:
         self.batch = batch
         _, layout = layout_for(page_bytes)
         # A generous socket timeout: a timeout is a fault, and a fault is a miss, not a figure.
-        self.tier = ClusterTier(RedisClusterStore(cluster.url, timeout=60.0), page_bytes=page_bytes,
-                                layout_id=layout.layout_id)
+        self.tier = ClusterTier(RedisClusterStore(cluster.url, timeout=60.0), layout=layout)
         self.client = cluster.client(socket_timeout=60.0)
         self.keys = [i.to_bytes(16, "little") for i in range(pages)]
         self.redis_keys = [self.tier.key(NAMESPACE, k) for k in self.keys]  # the very keys the tier uses

@@ -33,6 +33,7 @@ from kvtier_client.ids import Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
+from kvtier.core.chunks import size_of, split
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import Mechanism, PageRecord
 from kvtier.core.quotas import Quota, VictimPicker
@@ -259,7 +260,7 @@ class Capacity:
 
     # -- disk writes: prepared and filed here, stored by kvtier.core.writes ------
     def prepare(self, blocks: list[Block], keep: Callable[[Ref], bool] | None = None) -> WriteBatch:
-        """Take disk slots for host pages, as many as the disk and their namespaces' disk
+        """Take disk slots and chunks for host pages, as many as the disk and their namespaces' disk
         quotas can take (blocks already on disk or being saved are skipped). Disk pages for
         which `keep` is true (default: protected ones) are never evicted for room. Each
         page taken is `saved` (protected) and its disk slot `writing` until `file`."""
@@ -267,13 +268,20 @@ class Capacity:
         blocks = [b for b in blocks if Tier.DISK not in b.copies and not b.copies[Tier.HOST].saved]
         batch = WriteBatch()
         for namespace, group in self.by_namespace(blocks):
-            victims, allowed = self.choose(Tier.DISK, len(group), disk.slots.free_count, namespace, keep=keep)
-            if victims:
+            reserve = disk.space.reserve(namespace)  # chunks: the codec's largest encoding, the rest given back at `file`
+
+            def room() -> int:
+                return min(disk.slots.free_count, disk.chunks.free_count // reserve)
+
+            victims, allowed = self.choose(Tier.DISK, len(group), room(), namespace, keep=keep)
+            while victims:  # victims stored in fewer chunks than a reserve free less room than a page each
                 self.evict(Tier.DISK, [self.index.blocks[ref] for ref in victims], namespace)
-            for block in group[: min(allowed, disk.slots.free_count)]:
+                victims = self.choose(Tier.DISK, allowed, room(), namespace, keep=keep)[0] if room() < allowed else []
+            for block in group[: min(allowed, room())]:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None
-                record = PageRecord(ns, key, disk.slots.alloc(), parent, tokens=block.tokens)
+                record = PageRecord(ns, key, disk.slots.alloc(), parent, tokens=block.tokens,
+                                    extent=disk.chunks.take(reserve))
                 block.copies[Tier.HOST].saved = True
                 self.index.start_writing(ns, [record.slot], Tier.DISK)
                 self.saving[block.ref] = record
@@ -291,7 +299,9 @@ class Capacity:
             self.index.stop_writing(block.ref[0], [record.slot], Tier.DISK)
             if stored is None:
                 disk.slots.free(record.slot)
+                disk.chunks.give(record.extent)
             else:
+                disk.chunks.give(split(record.extent, size_of(stored[i].extent))[1])  # what the encoding left
                 self.index.add_copy(block, Tier.DISK, Copy(record.slot, record=stored[i]))
         if stored is None:
             disk.counters.io_errors += len(batch)

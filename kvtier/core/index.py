@@ -29,6 +29,7 @@ from kvtier_client.ids import Slot
 from kvtier_client.results import MissReason
 from kvtier_client.tiers import Tier
 
+from kvtier.core.chunks import ChunkAllocator, DiskSpace
 from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory
 from kvtier.core.ports import BlockEvents, LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
@@ -108,6 +109,9 @@ class TierState:
     loading: set[Ref] = field(default_factory=set)  # cached copies whose bytes are on their way
     held: set[Ref] = field(default_factory=set)  # loaded copies with a hold set (it may have passed)
     counters: TierCounters = field(default_factory=TierCounters)
+    chunks: ChunkAllocator | None = None  # disk: where pages' bytes are (kvtier.core.chunks)
+    space: DiskSpace | None = None  # disk: the chunks' geometry, and what a page reserves
+    stored_bytes: int = 0  # disk: bytes its cached copies take as stored (encoded)
 
     def breakdown(self, blocks: dict[Ref, "Block"], now: float) -> tuple[int, int, int]:
         """(pinned, loading, held): cached copies in exactly one of these states (pinned
@@ -200,6 +204,8 @@ class BlockIndex:
         block.copies[tier] = copy
         state.policy.add(block.ref, block.parent)
         state.cached += 1
+        if state.chunks is not None and copy.record is not None:
+            state.stored_bytes += copy.record.stored
         self.namespaces[block.ref[0]].pages[tier] += 1
         if copy.loading:
             state.loading.add(block.ref)
@@ -234,6 +240,9 @@ class BlockIndex:
             raise RuntimeError(f"invariant broken: dropping a pinned {tier.label} copy of {block.ref}")
         state.policy.remove(block.ref)
         state.slots.free(copy.slot)
+        if state.chunks is not None and copy.record is not None:
+            state.chunks.give(copy.record.extent)
+            state.stored_bytes -= copy.record.stored
         state.cached -= 1
         self.namespaces[block.ref[0]].pages[tier] -= 1
         state.held.discard(block.ref)

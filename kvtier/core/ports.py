@@ -46,7 +46,10 @@ class PageRecord:
     bytes; `seq` orders entries by write, so a restart rebuilds recency. `seal` (disk) binds
     the page to its namespace, layout and key, of kind `seal_kind` (kvtier.mechanism.seal).
     `tokens` (disk) are the block's token ids when its client gave them: KV events name them
-    again after a restart, so routers that match by tokens still credit the page."""
+    again after a restart, so routers that match by tokens still credit the page.
+    On disk, a page is stored by codec `codec` (kvtier.codecs) in `stored` bytes (0: as it
+    is, `length`), in the chunks of `extent` (kvtier.core.chunks), and `checksum` and
+    `seal` are over those stored bytes."""
 
     namespace: str
     key: bytes
@@ -58,6 +61,9 @@ class PageRecord:
     seal: bytes = b""
     seal_kind: int = 0
     tokens: tuple[int, ...] | None = None
+    codec: int = 0
+    stored: int = 0
+    extent: tuple[int, ...] = ()
 
 
 class LoadKind(IntEnum):

@@ -70,6 +70,7 @@ from kvtier_client.ids import LeaseId, SessionId, Slot
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
+from kvtier.core.chunks import ChunkAllocator, DiskSpace
 from kvtier.core.capacity import Capacity
 from kvtier.core.cluster import ClusterCopies
 from kvtier.core.held import HeldCopy, held_copies
@@ -106,7 +107,8 @@ class BlockStore:
     `policy` makes one eviction policy object per tier from its page count (a policy class will do).
     `admission` decides which host pages leaving host are written to disk (default: all;
     pages committed write-through and the stop-time copy are always written).
-    `recovered` is the disk tier's persisted index, filed as cached disk pages;
+    `recovered` is the disk tier's persisted index, filed as cached disk pages
+    (`disk_space`: its chunks, kvtier.core.chunks; default one chunk per page);
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
     the index remembered (all namespaces together), to explain misses. `ports` reach the tiers'
@@ -131,6 +133,7 @@ class BlockStore:
         host_reused: bool = False,
         history_size: int = DEFAULT_HISTORY_SIZE,
         cluster_write: ClusterWrite = ClusterWrite.OFF,
+        disk_space: DiskSpace | None = None,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
@@ -151,7 +154,9 @@ class BlockStore:
             tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy(device_pages)))
         records = list(recovered) if disk_pages > 0 else []
         if disk_pages > 0:
-            tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy(disk_pages)))
+            space = disk_space or DiskSpace(disk_pages, layout.slot_bytes, lambda _: 1)  # a chunk a page
+            tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy(disk_pages),
+                                   chunks=ChunkAllocator(space.chunks, [r.extent for r in records]), space=space))
         self._lock = threading.RLock()
         self._index = BlockIndex(tiers, host_reused=host_reused, history_size=history_size)
         if disk_pages > 0:

@@ -1,7 +1,12 @@
-"""Disk tier: a preallocated slab file of fixed aligned slots plus an LMDB index.
+"""Disk tier: a preallocated slab file of aligned chunks plus an LMDB index.
 
-The index maps (namespace, key) to the slot, length, checksum, seal, parent key, layout and
-a write sequence number, so the tier's content survives a restart. Ordering rule: a page's
+Each page is stored as its namespace's codec encodes it (kvtier.codecs: identity by
+default) in the chunks the core gave it (its extent, kvtier.core.chunks), so a page that
+encodes to half its size takes half the room. The index (kvtier.mechanism.disk_index) maps
+(namespace, key) to the slot, extent, codec, lengths, checksum, seal, parent key, layout and
+a write sequence number, so the tier's content survives a restart. Checksum and seal are
+over the stored (encoded) bytes; encoding and decoding run on the I/O threads, never under
+a lock. A page stored as it is moves straight between its host slot and the slab. Ordering rule: a page's
 bytes are written (and, with `fsync`, flushed) before its index entry commits, and every read
 is checked against the checksum; a crash between the two leaves either no entry or an entry
 whose checksum fails, and a failing page is dropped and counted, never returned. The seal
@@ -11,12 +16,12 @@ the key asked for (misbound: dropped and counted, never returned).
 
 The core calls `write_pages` and `forget` outside its lock, so they may run at once on
 several threads (a request's eviction, the write-back thread): page writes run in
-parallel, index transactions one at a time (`_index_lock`). A slot freed by a drop can be
-written again before its old entry is deleted. That is safe because (1) `forget` deletes
+parallel, index transactions one at a time (`_index_lock`). A slot or chunk freed by a drop can
+be written again before its old entry is deleted. That is safe because (1) `forget` deletes
 an entry only if it is still the one forgotten (same write sequence), so a key written
-again is never deleted by a late forget; (2) at open, an entry whose slot a later entry
-(higher `seq`) also names is dropped: its bytes were overwritten; (3) in between, the
-old entry's checksum no longer matches the slot, so a read drops it, never serves it.
+again is never deleted by a late forget; (2) at open, an entry whose slot or chunks a later
+entry (higher `seq`) also names is dropped: its bytes were overwritten; (3) in between, the
+old entry's checksum no longer matches its chunks, so a read drops it, never serves it.
 
 I/O faults (EIO, ENOSPC, a read-only filesystem) degrade the tier, never the daemon: a
 failed write batch commits no index entry and raises OSError (the core then drops or keeps
@@ -30,7 +35,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,50 +44,17 @@ from enum import Enum
 import xxhash
 from kvtier_client.layout import PageLayout
 
+from kvtier.codecs import CodecChoice, decoder
+from kvtier.core.chunks import DiskSpace, chunk_bytes_for, chunks_in, size_of, split
 from kvtier.core.ports import PageRecord
-from kvtier.mechanism.directio import open_direct
+from kvtier.mechanism.directio import aligned_buffer, open_direct
+from kvtier.mechanism.disk_index import delete_if_seq, encode_key, pack_entry, unpack_entry
 from kvtier.mechanism.disk_meta import INDEX_DIR, DiskLayoutMismatch, open_meta
-from kvtier.mechanism.seal import SEAL_BYTES, PageIdentity, Sealer
+from kvtier.mechanism.seal import PageIdentity, Sealer
 
 __all__ = ["DiskLayoutMismatch", "DiskTier", "FsyncPolicy"]  # DiskLayoutMismatch: what opening one raises
 
 log = logging.getLogger(__name__)
-
-#: slot, length, checksum, seq, layout_id, seal kind, seal, len(parent); the parent key follows
-#: (the index format, kvtier.mechanism.formats.DISK_INDEX).
-_VALUE = struct.Struct(f"<IIQQ12sB{SEAL_BYTES}sB")
-
-
-def _encode_key(namespace: str, key: bytes) -> bytes:
-    ns = namespace.encode()
-    return len(ns).to_bytes(2, "little") + ns + key
-
-
-def _decode_key(raw: bytes) -> tuple[str, bytes]:
-    n = int.from_bytes(raw[:2], "little")
-    return raw[2 : 2 + n].decode(), bytes(raw[2 + n :])
-
-
-def _encode_tokens(tokens: tuple[int, ...] | None) -> bytes:
-    """A block's token ids after its parent in the index entry, u32 little-endian each. An
-    optional field: releases that read index format 2 without it ignore the trailing bytes."""
-    return struct.pack(f"<{len(tokens)}I", *tokens) if tokens else b""
-
-
-def _decode_tokens(raw: bytes) -> tuple[int, ...] | None:
-    if not raw or len(raw) % 4:
-        return None
-    return struct.unpack(f"<{len(raw) // 4}I", raw)
-
-
-def _delete_if_seq(txn, keys: dict[bytes, int]) -> None:
-    """Delete each key whose entry still has the given write sequence: an entry written
-    again since (a newer copy of the same block) stays."""
-    for key, seq in keys.items():
-        value = txn.get(key)
-        if value is not None and _VALUE.unpack_from(value)[3] == seq:
-            txn.delete(key)
-
 
 class FsyncPolicy(str, Enum):
     """When page data and the index reach stable storage (docs/tiers.md, "Durability").
@@ -115,7 +86,12 @@ class DiskTier:
         fsync_interval: float = 1.0,
         io_depth: int = 8,
         sealer: Sealer | None = None,
+        chunks: int | None = None,
+        codecs: CodecChoice | None = None,
     ) -> None:
+        """`pages`: index entries (pages) at most; `chunks`: the slab's chunks (default:
+        room for `pages` pages as they are); `codecs`: which codec writes each namespace's
+        pages (default: identity for all)."""
         if pages <= 0:
             raise ValueError(f"disk tier needs at least one page, got {pages}")
         if io_depth < 1:
@@ -126,6 +102,11 @@ class DiskTier:
         self.pages = pages
         self.fsync = FsyncPolicy(fsync)
         self.sealer = sealer or Sealer()
+        self.codecs = codecs or CodecChoice()
+        self.chunk_bytes = chunk_bytes_for(layout.slot_bytes)
+        self.chunks = chunks or pages * (layout.slot_bytes // self.chunk_bytes)
+        self.unknown_codec = 0  # pages written by a codec this kvtier does not know (dropped as misses)
+        self._bounce = threading.local()  # a slot-sized aligned buffer per I/O thread, for encoded pages
         self.corrupt_pages = 0  # reads that failed their checksum or seal (dropped)
         self.misbound_pages = 0  # of those, intact pages sealed as another key's, namespace's or secret's
         self.io_errors = 0  # failed reads, write batches, index updates and flushes
@@ -157,7 +138,7 @@ class DiskTier:
             self._seq = self._max_seq()
             self.slab_path = os.path.join(directory, "slab.bin")
             self._fd, self.direct_io = open_direct(self.slab_path, os.O_RDWR | os.O_CREAT)
-            size = pages * layout.slot_bytes
+            size = self.chunks * self.chunk_bytes
             if os.fstat(self._fd).st_size > size:
                 os.ftruncate(self._fd, size)
             os.posix_fallocate(self._fd, 0, size)
@@ -180,24 +161,29 @@ class DiskTier:
         return max((r.seq for r in self.records()), default=0)
 
     def _drop_out_of_range(self) -> None:
-        """After the tier shrank, forget entries whose slot is gone."""
-        gone = [r for r in self.records() if r.slot >= self.pages]
+        """After the tier shrank, forget entries whose slot or chunks are gone."""
+        gone = [r for r in self.records()
+                if r.slot >= self.pages or not r.extent or max(chunks_in(r.extent)) >= self.chunks]
         if gone:
             log.warning("disk tier shrank to %d pages: forgetting %d pages beyond it", self.pages, len(gone))
-            self._delete({_encode_key(r.namespace, r.key): r.seq for r in gone})  # at start: a failure is fatal
+            self._delete({encode_key(r.namespace, r.key): r.seq for r in gone})  # at start: a failure is fatal
 
     def _drop_shadowed(self) -> None:
-        """Forget entries whose slot a later-written entry also names (a crash between a
-        slot's rewrite and its old entry's deletion): only the latest is the slot's."""
-        latest: dict[int, PageRecord] = {}
-        stale = []
+        """Forget entries whose slot or chunks a later-written entry also names (a crash
+        between their rewrite and the old entry's deletion): only the latest is theirs."""
+        slots: dict[int, PageRecord] = {}
+        chunks: dict[int, PageRecord] = {}
+        stale: dict[bytes, PageRecord] = {}
         for r in sorted(self.records(), key=lambda r: r.seq):
-            if r.slot in latest:
-                stale.append(latest[r.slot])
-            latest[r.slot] = r
+            for old in [slots.get(r.slot), *(chunks.get(c) for c in chunks_in(r.extent))]:
+                if old is not None:
+                    stale[encode_key(old.namespace, old.key)] = old
+            slots[r.slot] = r
+            chunks.update((c, r) for c in chunks_in(r.extent))
+        stale = list(stale.values())
         if stale:
             log.warning("disk tier %s: forgetting %d entries whose slots were written again", self.directory, len(stale))
-            self._delete({_encode_key(r.namespace, r.key): r.seq for r in stale})
+            self._delete({encode_key(r.namespace, r.key): r.seq for r in stale})
 
     # -- index ----------------------------------------------------------------
     def records(self) -> Iterator[PageRecord]:
@@ -206,13 +192,9 @@ class DiskTier:
             pending = dict(self._unforgotten)
         with self._env.begin(db=self._db) as txn:
             for raw_key, value in txn.cursor():
-                slot, length, checksum, seq, _layout, kind, seal, plen = _VALUE.unpack_from(value)
-                if pending.get(raw_key) == seq:
-                    continue
-                namespace, key = _decode_key(raw_key)
-                parent = bytes(value[_VALUE.size : _VALUE.size + plen]) if plen else None
-                tokens = _decode_tokens(value[_VALUE.size + plen :])
-                yield PageRecord(namespace, key, slot, parent, length, checksum, seq, seal, kind, tokens)
+                record = unpack_entry(raw_key, value)
+                if pending.get(raw_key) != record.seq:
+                    yield record
 
     def forget(self, records: Iterable[PageRecord]) -> None:
         """Remove index entries (each only while it is still the one with the record's
@@ -222,7 +204,7 @@ class DiskTier:
         are kept and deleted by the next index transaction that works, before any entry
         that transaction adds.
         """
-        keys = {_encode_key(r.namespace, r.key): r.seq for r in records}
+        keys = {encode_key(r.namespace, r.key): r.seq for r in records}
         with self._index_lock:
             try:
                 self._delete(keys)
@@ -233,11 +215,11 @@ class DiskTier:
     def _delete(self, keys: dict[bytes, int]) -> None:
         with self._env.begin(write=True, db=self._db) as txn:
             self._delete_unforgotten(txn)
-            _delete_if_seq(txn, keys)
+            delete_if_seq(txn, keys)
         self._unforgotten.clear()
 
     def _delete_unforgotten(self, txn) -> None:
-        _delete_if_seq(txn, self._unforgotten)
+        delete_if_seq(txn, self._unforgotten)
 
     # -- faults ---------------------------------------------------------------
     def _fault(self, kind: str, what: str, exc: BaseException) -> None:
@@ -262,14 +244,21 @@ class DiskTier:
             log.info("disk tier %s: %ss work again after %d failures", self.directory, kind, failures)
 
     # -- bytes ----------------------------------------------------------------
-    def write_pages(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
-        """Write each page's slot from an aligned source (a host slot), `io_depth` writes in
-        parallel, flush per the fsync policy, then commit the batch's index entries at once.
+    @property
+    def space(self) -> DiskSpace:
+        """The slab's chunks as the core counts them; a page reserves its codec's largest encoding."""
+        chunk, codecs, layout = self.chunk_bytes, self.codecs, self.layout
+        return DiskSpace(self.chunks, chunk, lambda ns: -(-codecs.for_namespace(ns, layout).bound() // chunk))
 
-        Returns the records as stored (with length, checksum and sequence filled in).
-        All or nothing: if any write, the flush or the index commit fails, no entry of the
-        batch is committed (pages whose bytes did reach their slots are not indexed: the
-        caller frees those slots) and OSError is raised, after every write has ended.
+    def write_pages(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
+        """Encode each page (from an aligned source: a host slot) with its namespace's codec
+        and write it into the first chunks of its record's extent, `io_depth` pages in
+        parallel; flush per the fsync policy, then commit the batch's index entries at once.
+
+        Returns the records as stored (codec, lengths, checksum, sequence, and the extent
+        cut to the chunks used: the caller gives back the rest). All or nothing: if any
+        write, the flush or the index commit fails, no entry of the batch is committed and
+        OSError is raised, after every write has ended.
         """
         for _, src in items:
             if len(src) != self.layout.slot_bytes:
@@ -285,41 +274,66 @@ class DiskTier:
 
     def _write_batch(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
         futures = [self._writers.submit(self._write_one, item) for item in items]
-        wait(futures)  # all ended: no write to a slot the caller frees may still be in flight
-        sums = [f.result() for f in futures]
+        wait(futures)  # all ended: no write to a chunk the caller frees may still be in flight
+        written = [f.result() for f in futures]
         if self.fsync is FsyncPolicy.BATCH and items:
             os.fdatasync(self._fd)
         with self._index_lock:  # sequence numbers in commit order
             seq = self._seq
             stored = []
-            for (record, _), (checksum, seal) in zip(items, sums):
+            for r in written:
                 seq += 1
-                stored.append(replace(record, length=self.layout.page_bytes, checksum=checksum, seq=seq, seal=seal,
-                                      seal_kind=self.sealer.kind))
+                stored.append(replace(r, seq=seq))
             with self._env.begin(write=True, db=self._db) as txn:
-                self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's slot
+                self._delete_unforgotten(txn)  # first: an entry below may reuse a forgotten key's chunks
                 for r in stored:
-                    parent = r.parent or b""
-                    value = _VALUE.pack(r.slot, r.length, r.checksum, r.seq, self.layout.layout_id.encode(),
-                                        r.seal_kind, r.seal, len(parent))
-                    txn.put(_encode_key(r.namespace, r.key), value + parent + _encode_tokens(r.tokens))
+                    txn.put(encode_key(r.namespace, r.key), pack_entry(r, self.layout.layout_id))
             self._unforgotten.clear()
             self._seq = seq
         return stored
 
-    def _write_one(self, item: tuple[PageRecord, memoryview]) -> tuple[int, bytes]:
-        """pwrite one slot (straight from the host page: no bounce buffer); returns its
-        checksum and seal (computed here, in the I/O thread, never under a lock)."""
+    def _buffer(self) -> memoryview:
+        """This thread's aligned slot-sized buffer for encoded pages (direct I/O needs alignment)."""
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None:
+            buf = self._bounce.buf = memoryview(aligned_buffer(self.layout.slot_bytes))
+        return buf
+
+    def _runs(self, extent: tuple[int, ...], buf: memoryview) -> Iterator[tuple[memoryview, int]]:
+        """(piece of `buf`, slab offset) per run of `extent`, in order."""
+        at, chunk = 0, self.chunk_bytes
+        for start, count in zip(extent[0::2], extent[1::2]):
+            yield buf[at : at + count * chunk], start * chunk
+            at += count * chunk
+
+    def _write_one(self, item: tuple[PageRecord, memoryview]) -> PageRecord:
+        """Encode and pwrite one page (a page stored as it is goes straight from its host
+        slot: no bounce buffer); checksum and seal are computed here, in the I/O thread."""
         record, src = item
-        written = os.pwrite(self._fd, src, record.slot * self.layout.slot_bytes)
-        if written != len(src):
-            raise OSError(f"short write to {self.slab_path}: {written} of {len(src)} bytes")
-        with self._counter_lock:
-            self.bytes_written += written
-        page = src[: self.layout.page_bytes]
-        # A host page's checksum from its publishing (hashed once); a read checks it anyway.
-        checksum = record.checksum if record.length == len(page) else xxhash.xxh3_64_intdigest(page)
-        return checksum, self.sealer.seal(self._identity(record), page, checksum)
+        with src[: self.layout.page_bytes] as page:  # released even when a write fails: the caller may close src
+            encoded = self.codecs.for_namespace(record.namespace, self.layout).encode(page)
+            data, n = encoded.data, -(-len(encoded.data) // self.chunk_bytes)
+            if n > size_of(record.extent):
+                raise ValueError(f"a page of {len(data)} bytes does not fit its {size_of(record.extent)} chunks")
+            extent = split(record.extent, n)[0]
+            if encoded.codec:
+                buf = self._buffer()
+                buf[: len(data)] = data
+            else:
+                buf = src  # as it is: the host slot itself
+            for piece, offset in self._runs(extent, buf):
+                with piece:
+                    written = os.pwrite(self._fd, piece, offset)
+                    if written != len(piece):
+                        raise OSError(f"short write to {self.slab_path}: {written} of {len(piece)} bytes")
+                with self._counter_lock:
+                    self.bytes_written += written
+            # A host page's checksum from its publishing (hashed once); a read checks it anyway.
+            raw = not encoded.codec and record.length == len(page)
+            checksum = record.checksum if raw else xxhash.xxh3_64_intdigest(data)
+            seal = self.sealer.seal(self._identity(record), data, checksum)
+            return replace(record, length=len(page), stored=len(data), codec=encoded.codec, extent=extent,
+                           checksum=checksum, seal=seal, seal_kind=self.sealer.kind)
 
     def _identity(self, record: PageRecord) -> PageIdentity:
         return PageIdentity(self.layout.layout_id, record.namespace, record.key)
@@ -340,36 +354,56 @@ class DiskTier:
         self._env.sync(True)
 
     def read_page(self, record: PageRecord, dest: memoryview) -> bool:
-        """Read a page into an aligned destination slot and verify it: its checksum, and its
-        seal as the record's namespace and key.
+        """Read a page into an aligned destination slot, verify its stored bytes (checksum,
+        and seal as the record's namespace and key) and decode them there.
 
-        False means the page is corrupt, torn or misbound: the caller must drop it (and it
-        is counted).
+        False means the page is corrupt, torn, misbound or of a codec this kvtier does not
+        know: the caller must drop it (and it is counted).
         """
         if len(dest) != self.layout.slot_bytes:
             raise ValueError(f"destination must be one whole slot of {self.layout.slot_bytes} bytes")
+        buf = self._buffer() if record.codec else dest  # as it is: straight into the host slot
+        got = 0
         try:
-            got = os.preadv(self._fd, [dest], record.slot * self.layout.slot_bytes)
+            for piece, offset in self._runs(record.extent, buf):
+                with piece:
+                    got += os.preadv(self._fd, [piece], offset)
         except OSError as exc:
-            self._fault("read", f"reading slot {record.slot}", exc)
+            self._fault("read", f"reading chunk {record.extent[0] if record.extent else '-'}", exc)
             raise
         self._works("read")
         with self._counter_lock:
             self.bytes_read += got
-        page = dest[: record.length]
-        if got != len(dest) or xxhash.xxh3_64_intdigest(page) != record.checksum:
+        with buf[: record.stored] as data:
+            return self._check(record, data, got, dest)
+
+    def _check(self, record: PageRecord, data: memoryview, got: int, dest: memoryview) -> bool:
+        """Verify the stored bytes read and decode them into `dest` (see read_page)."""
+        if got != size_of(record.extent) * self.chunk_bytes or xxhash.xxh3_64_intdigest(data) != record.checksum:
+            return self._dropped(record, "corrupt", "")
+        if not self.sealer.check(self._identity(record), data, record.checksum, record.seal_kind, record.seal):
+            return self._dropped(record, "misbound", ": its index entry is sealed as another key's or namespace's "
+                                 "(moved there), or with another seal_key_file")
+        if not record.codec:
+            return record.stored == record.length
+        codec = decoder(record.codec, self.layout)
+        if codec is None:
             with self._counter_lock:
-                self.corrupt_pages += 1
-            log.warning("dropping corrupt page in slot %d of %s", record.slot, self.slab_path)
+                self.unknown_codec += 1
+            log.warning("disk tier %s: a page of codec id %d, which this kvtier does not know, is a miss",
+                        self.directory, record.codec)
             return False
-        if not self.sealer.check(self._identity(record), page, record.checksum, record.seal_kind, record.seal):
-            with self._counter_lock:
-                self.corrupt_pages += 1
-                self.misbound_pages += 1
-            log.warning("dropping misbound page in slot %d of %s: its index entry is sealed as another key's or "
-                        "namespace's (moved there), or with another seal_key_file", record.slot, self.slab_path)
-            return False
+        with dest[: self.layout.page_bytes] as page:
+            if not codec.decode_into(data, page):
+                return self._dropped(record, "corrupt", " (it does not decode)")
         return True
+
+    def _dropped(self, record: PageRecord, what: str, why: str) -> bool:
+        with self._counter_lock:
+            self.corrupt_pages += 1
+            self.misbound_pages += what == "misbound"
+        log.warning("dropping %s page at chunk %d of %s%s", what, record.extent[0], self.slab_path, why)
+        return False
 
     def close(self) -> None:
         """Flush (unless the policy is never), close the slab and the index. A second call does nothing."""

@@ -3,7 +3,8 @@ its index and slab (kvtier.mechanism.formats), checked before anything else is r
 
     meta key      value
     layout        repr(PageLayout)
-    format        the index's format (DISK_INDEX); no entry: 1, written before seals
+    format        the index's format (DISK_INDEX); no entry: 1, written before seals;
+                  2 is rewritten as 3 at open (`upgrade_entries`)
     slab_format   the slab's format (DISK_SLAB); no entry: 1, the slab as it has always been
 
 A directory written by a newer kvtier is refused (DiskFormatRefused: one line, what was
@@ -19,6 +20,8 @@ import os
 
 from kvtier_client.layout import PageLayout
 
+from kvtier.core.chunks import chunk_bytes_for
+from kvtier.mechanism.disk_index import upgrade_entries
 from kvtier.mechanism.formats import DISK_INDEX, DISK_SLAB, Format, FormatRefused, Reading
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,11 @@ def open_meta(env, pages, meta, directory: str, layout: PageLayout) -> None:
                 f"disk tier at {directory} holds pages of {stored.decode()}, not {layout}; "
                 "point this layout at another directory or remove that one"
             )
+        if _version(txn.get(b"format", db=meta)) == 2 and not dropped:  # read by rewriting it as format 3
+            upgraded = upgrade_entries(txn, pages, layout.slot_bytes // chunk_bytes_for(layout.slot_bytes))
+            if upgraded:
+                log.info("disk tier %s: %d pages of disk index format 2 kept as format %d", directory, upgraded,
+                         DISK_INDEX.current)
         if dropped:
             old = txn.stat(pages)["entries"]
             if old:

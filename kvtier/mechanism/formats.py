@@ -58,14 +58,20 @@ class Format:
 #:    page_bytes. Kvtier releases before this entry existed wrote it without the entry
 #:    and check only the index's `format`: a slab version they cannot read must raise
 #:    DISK_INDEX too, so that they refuse it.
-DISK_SLAB = Format("disk slab", current=1, oldest=1)
+#: 2  chunks (kvtier.core.chunks.chunk_bytes_for): a page is its codec's encoding in the
+#:    chunks its index entry names. Slot i of format 1 is chunk i * (slot_bytes / chunk
+#:    bytes): a format 1 slab is read as format 2, its index entries rewritten (DISK_INDEX 3).
+DISK_SLAB = Format("disk slab", current=2, oldest=1)
 
 #: The disk index (index.lmdb: the meta entry `format`; no entry reads as 1).
 #: 1  entries without seals (kvtier before 6ef7fed): forgotten at open, they bind no key.
 #: 2  entries carry a seal kind and a 16-byte seal (kvtier.mechanism.seal); optionally,
 #:    after the parent, the block's token ids (u32 each: KV events after a restart),
 #:    which a reader without them ignores.
-DISK_INDEX = Format("disk index", current=2, oldest=2)
+#: 3  entries name the page's codec, stored length and chunks (kvtier.mechanism.disk_index);
+#:    checksum and seal are over the stored bytes. Format 2 entries are rewritten as 3 at
+#:    open (their pages stored as they are, in their slot's chunks).
+DISK_INDEX = Format("disk index", current=3, oldest=2)
 
 #: The host tier's slot table (kvtier.mechanism.slottable: its magic, kvtier-slots-v<N>).
 #: 1  a 4 KiB header (magic, layout id, slot_bytes, pages) and 512-byte entries.
@@ -73,5 +79,8 @@ SLOT_TABLE = Format("slot table", current=1, oldest=1)
 
 #: A cluster tier value (kvtier.mechanism.cluster.values: the header's byte 4).
 #: 1  a header without seal (kvtier before 6ef7fed): a miss, it binds no key.
-#: 2  a 48-byte header with seal kind, codec id and 16-byte seal.
-CLUSTER_VALUE = Format("cluster value", current=2, oldest=2)
+#: 2  a 48-byte header with seal kind, codec id and 16-byte seal, over the page as written.
+#: 3  the same header; checksum and seal are over the stored (encoded) bytes, and a codec
+#:    the reader does not know is a miss, left in the store. Format 2 values (identity only,
+#:    whose stored bytes are the page) are still read.
+CLUSTER_VALUE = Format("cluster value", current=3, oldest=2)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from kvtier.core.ports import LoadJob, LoadKind
 from kvtier.mechanism.bandwidth import Throughput
 from kvtier.mechanism.cluster import ClusterTier
+from kvtier.mechanism.cluster.values import UNHASHED
 from kvtier.mechanism.disk import DiskTier
 from kvtier.mechanism.host import HostArena
 
@@ -184,7 +185,10 @@ class DiskReader(PageReader):
     def _read(self, jobs: list[LoadJob]) -> list[bool]:
         (job,) = jobs
         try:
-            return [self.disk.read_page(job.record, self.host.view(job.host_slot))]
+            ok = self.disk.read_page(job.record, self.host.view(job.host_slot))
+            if job.record.codec:  # decoded: the checksum is the encoding's, the slot table hashes the page
+                job.record = replace(job.record, length=0)
+            return [ok]
         except OSError:
             # A failing device: the page cannot be trusted, so it goes like a corrupt one.
             # DiskTier.read_page counted it (io_errors) and logs once per episode.
@@ -211,7 +215,7 @@ class ClusterReader(PageReader):
             sums = self.tier.read_checked(namespace, [j.record.key for j in group],
                                           [self.host.view(j.host_slot) for j in group])
             for job, checksum in zip(group, sums):
-                if checksum is not None:  # verified: the slot table takes it as it is
+                if checksum is not None and checksum != UNHASHED:  # verified: the slot table takes it as it is
                     job.record = replace(job.record, length=self.tier.page_bytes, checksum=checksum)
                 results[id(job)] = checksum is not None
         return [results[id(job)] for job in jobs]

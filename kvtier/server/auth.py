@@ -6,10 +6,11 @@ table replaces the old one whole, so a removed token stops working at the next c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvtier_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
+from kvtier.codecs import CODECS
 from kvtier.core import Quota, check_namespace
 from kvtier.server.config import AuthConfig, AuthMode, ConfigError, read_toml
 
@@ -25,6 +26,7 @@ class AccessTable:
 
     tokens: Mapping[str, frozenset[str]]  # token -> namespaces it grants ("*" = any)
     quotas: Mapping[str, Quota]  # namespace -> its quota; namespaces not listed have none
+    codecs: Mapping[str, str] = field(default_factory=dict)  # namespace -> its codec (kvtier.codecs); else the option
 
 
 def load_access_table(path: str, *, need_tokens: bool) -> AccessTable:
@@ -34,7 +36,9 @@ def load_access_table(path: str, *, need_tokens: bool) -> AccessTable:
     if unknown:
         raise ConfigError(f"tokens file {path}: unknown table or key {unknown[0]!r}; it holds a [tokens] table and "
                           "[namespaces.<name>] tables (docs/configuration.md, \"The tokens file\")")
-    return AccessTable(_tokens(path, data.get("tokens"), need_tokens), _quotas(path, data.get("namespaces", {})))
+    namespaces = data.get("namespaces", {})
+    codecs = _codecs(path, namespaces)
+    return AccessTable(_tokens(path, data.get("tokens"), need_tokens), _quotas(path, namespaces), codecs)
 
 
 def _tokens(path: str, table: object, required: bool) -> dict[str, frozenset[str]]:
@@ -50,6 +54,19 @@ def _tokens(path: str, table: object, required: bool) -> dict[str, frozenset[str
             raise ConfigError(f"tokens file {path}: each token maps to a list of namespace names")
         tokens[token] = frozenset(namespaces)
     return tokens
+
+
+def _codecs(path: str, table: object) -> dict[str, str]:
+    """Each namespace's `codec` key, taken out of its table (the rest is its quota)."""
+    codecs = {}
+    for namespace, entry in table.items() if isinstance(table, dict) else ():
+        if isinstance(entry, dict) and "codec" in entry:
+            name = entry.pop("codec")
+            if name not in CODECS:
+                raise ConfigError(f'tokens file {path}: [namespaces."{namespace}"]: unknown codec {name!r}; '
+                                  f"use {', '.join(CODECS)}")
+            codecs[namespace] = name
+    return codecs
 
 
 def _quotas(path: str, table: object) -> dict[str, Quota]:
@@ -69,7 +86,7 @@ def _quota(where: str, namespace: str, entry: object) -> Quota:
         raise ConfigError(f"{where} must be a table of page counts, e.g. max_host_pages = 4096")
     for key, value in entry.items():
         if key not in QUOTA_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r}; use {', '.join(QUOTA_KEYS)}")
+            raise ConfigError(f"{where}: unknown key {key!r}; use codec or {', '.join(QUOTA_KEYS)}")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{where}: {key} must be a whole number of pages, 0 or more (0 = none); got {value!r}")
     quota = Quota(**entry)
@@ -114,6 +131,10 @@ class Authorizer:
     @property
     def quotas(self) -> Mapping[str, Quota]:
         return self._table.quotas
+
+    @property
+    def codecs(self) -> Mapping[str, str]:
+        return self._table.codecs
 
     @staticmethod
     def token_of(metadata: Metadata) -> str | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from kvtier.codecs import CodecName
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_CLUSTER_TOPIC, DEFAULT_ENGINE_PORT, DEFAULT_TOPIC, EventFormat
@@ -102,6 +103,7 @@ class TiersConfig:
     warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
     keeper_socket: str  # a standalone arena keeper (kvtier keeper) to use instead of spawning one; "" = spawn
     seal_key_file: str  # "" = seals are unkeyed checksums (kvtier.mechanism.seal); a secret file = keyed MACs
+    codec: CodecName  # how disk and cluster pages are stored (kvtier.codecs); a namespace's tokens-file key overrides
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "tiers", Kind.of(PolicyName), "frecency",
            "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, or a candidate "
            "measured against them (arc, s3fifo, tinylfu)."),
+    Option("codec", "tiers", Kind.of(CodecName), "identity", "How disk and cluster pages are stored: identity (as "
+           "they are), zstd (lossless), or, on float16/bfloat16/float32 pages, lossy k16v8 (~1.33x), fp8 (~2x) or "
+           "int4 (~3x); a namespace's codec key in the tokens file overrides it (docs/tiers.md, \"Codecs\")."),
     Option("disk_admission", "tiers", Kind.of(AdmissionName), "reuse", "Which host pages are written to disk as they "
            "leave host: reuse (only kinds of pages that come back often enough, see --disk-admission-threshold), or all."),
     Option("disk_admission_threshold", "tiers", FRACTION, DEFAULT_THRESHOLD, "For --disk-admission reuse: the share "

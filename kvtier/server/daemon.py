@@ -114,6 +114,7 @@ class Daemon:
         self.drain = DrainGate(self.pools.open_leases)
         auth = Authorizer.from_config(config.auth)
         self.pools.set_quotas(auth.quotas)  # kept for the pools made later
+        self.pools.set_codecs(auth.codecs)
         self.sessions = SessionManager(config.sessions.session_timeout, on_release=self.drain.lease_ended, grants=auth.grants,
                                        max_sessions=config.sessions.max_sessions,
                                        on_end=self._session_ended)
@@ -219,6 +220,7 @@ class Daemon:
             log.error("reload failed; keeping the previous tokens and quotas", extra={"reason": str(exc)})
             return
         refused = self.pools.set_quotas(table.quotas)
+        self.pools.set_codecs(table.codecs)
         self.metrics.reloads.labels("error" if refused else "ok").inc()
         if refused:
             log.error("reload partly failed: tokens and quotas applied, except the quotas of pools that cannot keep "

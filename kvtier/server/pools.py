@@ -19,6 +19,8 @@ from kvtier_client.ids import LeaseId, SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
+from kvtier.codecs import CodecChoice
+from kvtier.core.chunks import chunk_bytes_for
 from kvtier.events import EventPublisher
 from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.core.index import TierCounters
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, host_bytes: int,
                   max_queued_prefetch: int, throughput: Throughput, sealer: Sealer,
-                  observer: LatencyObserver | None = None) -> ClusterParts:
+                  observer: LatencyObserver | None = None, codecs: CodecChoice | None = None) -> ClusterParts:
     """One pool's cluster tier: its stores (the default user, and one per namespace listed
     in the ACL file), its readers (their reads measure `throughput`: unmeasured until the
     first, no probe writes into a shared cluster) and, unless the node only reads, its
@@ -59,8 +61,8 @@ def cluster_parts(config: ClusterConfig, layout: PageLayout, host: HostArena, ho
     if config.acl_file:
         for namespace, user in read_toml(config.acl_file, "cluster_acl_file").get("namespaces", {}).items():
             per_namespace[namespace] = store(str(user["username"]), str(user.get("password", "")) or None)
-    tier = ClusterTier(store(password=password), page_bytes=layout.page_bytes, layout_id=layout.layout_id,
-                       prefix=config.prefix, namespace_stores=per_namespace, observer=observer, sealer=sealer)
+    tier = ClusterTier(store(password=password), layout=layout, prefix=config.prefix, namespace_stores=per_namespace,
+                       observer=observer, sealer=sealer, codecs=codecs)
     reader = ClusterReader(tier, host, depth=2, max_queued_prefetch=max_queued_prefetch, throughput=throughput)
     writer = None
     if config.write is not ClusterWrite.OFF:
@@ -74,6 +76,7 @@ class Pool:
         self, layout: PageLayout, config: TiersConfig, observer: Observer | None = None, *,
         keeper: KeeperClient | None = None, kept: list[KeptFile] = (), cluster: ClusterConfig | None = None,
         cluster_observer: LatencyObserver | None = None, sealer: Sealer | None = None,
+        codecs: CodecChoice | None = None,
     ) -> None:
         """`config`: the daemon's tiers section, its sizes per pool (`max_pools`,
         `warm_restart_window` and `seal_key_file` are the registry's). `observer` hears of
@@ -81,7 +84,9 @@ class Pool:
         host memory for a successor; `kept` is what a crashed predecessor left there for
         this layout (adopted). `cluster` (with a url): a cluster tier below the others;
         `cluster_observer` hears the latency of its batches. `sealer` seals disk and
-        cluster pages to their identity (unkeyed by default)."""
+        cluster pages to their identity (unkeyed by default); `codecs` says how each
+        namespace's disk and cluster pages are stored (identity by default)."""
+        codecs = codecs or CodecChoice()
         host_pages = layout.pages_in(config.host_size, "host")
         disk_pages = layout.pages_in(config.disk_size, "disk") if config.disk_size else 0
         if disk_pages and not config.cache_dir:
@@ -109,10 +114,14 @@ class Pool:
                 self.copies = CopyEngine(self.host, self.device)
                 self.bandwidth[Tier.DEVICE] = self.copies.throughput
             if disk_pages:
+                # As many index entries as the densest codec chosen can fill the chunks with.
+                chunk = chunk_bytes_for(layout.slot_bytes)
+                chunks = config.disk_size // chunk
+                disk_pages = chunks // -(-codecs.densest(layout) // chunk)
                 self.disk = DiskTier(
                     os.path.join(config.cache_dir, layout.layout_id), layout, disk_pages,
                     fsync=config.fsync, fsync_interval=config.fsync_interval, io_depth=config.io_depth,
-                    sealer=sealer,
+                    sealer=sealer, chunks=chunks, codecs=codecs,
                 )
                 disk_dir, depth = self.disk.directory, config.io_depth
                 self.bandwidth[Tier.DISK] = Throughput(lambda: probe_disk_reads(disk_dir, layout.slot_bytes, depth))
@@ -123,7 +132,7 @@ class Pool:
             if cluster is not None and cluster.url:
                 self.bandwidth[Tier.CLUSTER] = Throughput()
                 self.cluster = cluster_parts(cluster, layout, self.host, config.host_size, config.max_queued_prefetch,
-                                             self.bandwidth[Tier.CLUSTER], sealer or Sealer(), cluster_observer)
+                                             self.bandwidth[Tier.CLUSTER], sealer or Sealer(), cluster_observer, codecs)
             self.store = BlockStore(
                 layout,
                 host_pages=host_pages,
@@ -139,6 +148,7 @@ class Pool:
                 recovered=self.disk.records() if self.disk else (),
                 recovered_host=self.host.adopted,
                 history_size=config.history_size,
+                disk_space=self.disk.space if self.disk else None,
             )
             if self.disk is not None:
                 # Writes write-through pages and keeps a reserve of clean host pages, so a
@@ -153,6 +163,13 @@ class Pool:
     @property
     def pool_id(self) -> str:
         return self.layout.layout_id
+
+    def set_codecs(self, codecs: CodecChoice) -> None:
+        """Write pages with these codecs from now on (pages already stored keep theirs)."""
+        if self.disk is not None:
+            self.disk.codecs = codecs
+        if self.cluster is not None:
+            self.cluster.tier.codecs = codecs
 
     def usage(self) -> StoreUsage:
         """The store's figures, with a row for the cluster tier when there is one: its pages
@@ -281,6 +298,7 @@ class PoolRegistry:
         self._kept: dict[str, list[KeptFile]] = {}  # a crashed predecessor's files, by layout id
         self._pools: dict[str, Pool] = {}
         self._quotas: Mapping[str, Quota] = {}  # namespace -> quota, for every pool (docs/configuration.md)
+        self._codecs = CodecChoice(tiers.codec.value)  # the tokens file's codec keys: `set_codecs`
         self._lock = threading.Lock()
 
     def adopt_kept(self) -> int:
@@ -321,7 +339,7 @@ class PoolRegistry:
             try:
                 pool = Pool(layout, self._tiers, observer=self._observer, keeper=self._keeper,
                             kept=self._kept.pop(layout.layout_id, []), cluster=self._cluster,
-                            cluster_observer=self._cluster_observer, sealer=self._sealer)
+                            cluster_observer=self._cluster_observer, sealer=self._sealer, codecs=self._codecs)
             except ValueError as exc:  # the client's layout does not fit the configured tiers
                 raise InvalidArgument(str(exc)) from None
             except DiskLayoutMismatch as exc:  # the operator's to fix; the log says so too
@@ -357,6 +375,13 @@ class PoolRegistry:
         with self._lock:  # a pool made meanwhile gets the new quotas
             self._quotas = dict(quotas)
             return [pool.pool_id for pool in self._pools.values() if not _apply_quotas(pool, quotas)]
+
+    def set_codecs(self, by_namespace: Mapping[str, str]) -> None:
+        """Namespaces' own codecs (the tokens file's), in every pool and in pools made later."""
+        with self._lock:
+            self._codecs = CodecChoice(self._tiers.codec.value, dict(by_namespace))
+            for pool in self._pools.values():
+                pool.set_codecs(self._codecs)
 
     def snapshot(self) -> list[tuple[Pool, StoreUsage]]:
         return [(pool, pool.usage()) for pool in self._all()]

@@ -399,7 +399,7 @@ class StoreMachine(RuleBasedStateMachine):
         if (record.namespace, record.key, record.seq) in self.corrupt:
             return  # already rotten: flipping the same byte again could heal it
         with open(self.pool.disk.slab_path, "r+b") as f:
-            f.seek(record.slot * LAYOUT.slot_bytes + offset)
+            f.seek(record.extent[0] * self.pool.disk.chunk_bytes + offset)
             byte = f.read(1)[0]
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte ^ 0x55]))
@@ -469,7 +469,7 @@ class StoreMachine(RuleBasedStateMachine):
                     assert read_page(self.pool, host.slot) == self.content[ref], f"host copy of {ref} changed"
                 disk = block.copies.get(Tier.DISK)
                 if disk is not None and (ref[0], ref[1], disk.record.seq) not in self.corrupt:
-                    slab.seek(disk.slot * LAYOUT.slot_bytes)
+                    slab.seek(disk.record.extent[0] * self.pool.disk.chunk_bytes)
                     assert slab.read(LAYOUT.page_bytes) == self.content[ref], f"disk copy of {ref} changed"
 
 

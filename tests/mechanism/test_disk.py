@@ -10,10 +10,18 @@ import pytest
 import xxhash
 from kvtier_client.layout import PageLayout
 
+from kvtier.core.chunks import chunk_bytes_for
 from kvtier.mechanism.directio import DIRECT_ALIGN, aligned_buffer
 from kvtier.mechanism.disk import DiskLayoutMismatch, PageRecord, DiskTier
 
 LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages, 4096-byte slots
+CHUNKS_PER_SLOT = LAYOUT.slot_bytes // chunk_bytes_for(LAYOUT.slot_bytes)
+
+
+def slot_record(namespace: str, key: bytes, slot: int, parent: bytes | None = None, **fields) -> PageRecord:
+    """A record whose chunks are its slot's (as the core gives them to raw pages of a tier
+    it alone writes)."""
+    return PageRecord(namespace, key, slot, parent, extent=(slot * CHUNKS_PER_SLOT, CHUNKS_PER_SLOT), **fields)
 
 
 @pytest.fixture(params=["real-disk", "tmpfs"])
@@ -71,7 +79,7 @@ def page_buffer(seed: int):
 
 def write(tier: DiskTier, slot: int, seed: int, key: bytes | None = None, namespace="ns", parent=None):
     buf, data = page_buffer(seed)
-    [stored] = tier.write_pages([(PageRecord(namespace, key or b"k%d" % slot, slot, parent), memoryview(buf))])
+    [stored] = tier.write_pages([(slot_record(namespace, key or b"k%d" % slot, slot, parent), memoryview(buf))])
     buf.close()
     return stored, data
 
@@ -133,9 +141,9 @@ def test_buffers_must_be_whole_slots(tmp_path, tiers):
     small = aligned_buffer(LAYOUT.page_bytes)
     big = aligned_buffer(2 * LAYOUT.slot_bytes)
     with pytest.raises(ValueError, match="one whole slot"):
-        tier.write_pages([(PageRecord("ns", b"k", 0), memoryview(big)[: LAYOUT.page_bytes])])
+        tier.write_pages([(slot_record("ns", b"k", 0), memoryview(big)[: LAYOUT.page_bytes])])
     with pytest.raises(ValueError, match="one whole slot"):
-        tier.read_page(PageRecord("ns", b"k", 0), memoryview(big))
+        tier.read_page(slot_record("ns", b"k", 0), memoryview(big))
     assert list(tier.records()) == []
     small.close()
     big.close()
@@ -183,7 +191,7 @@ def test_an_entry_whose_bytes_were_never_written_fails(disk_dir, tiers):
     # A crash after an index entry but before its data (or a stale entry) is caught too.
     tier = tiers(disk_dir, 2)
     record, _ = write(tier, 0, 3)
-    assert read(tier, PageRecord("ns", b"ghost", 1, length=record.length, checksum=record.checksum))[0] is False
+    assert read(tier, slot_record("ns", b"ghost", 1, length=record.length, checksum=record.checksum))[0] is False
 
 
 def test_layout_mismatch_on_reopen_raises(tmp_path, tiers):
@@ -263,7 +271,7 @@ def test_a_failed_write_commits_none_of_its_batch(tmp_path, tiers, monkeypatch, 
     tier = tiers(str(tmp_path / "d"), 4)
     monkeypatch.setattr(os, "pwrite", failing(os.pwrite, tier, 2))
     bufs = [page_buffer(seed)[0] for seed in range(3)]
-    batch = [(PageRecord("ns", b"k%d" % slot, slot), memoryview(buf)) for slot, buf in enumerate(bufs)]
+    batch = [(slot_record("ns", b"k%d" % slot, slot), memoryview(buf)) for slot, buf in enumerate(bufs)]
     for _ in range(3):
         with pytest.raises(OSError) as failed:
             tier.write_pages(batch)
@@ -345,7 +353,7 @@ def test_concurrent_batches_get_distinct_increasing_sequence_numbers(tmp_path, t
 
     def batch(first: int) -> None:
         bufs = [page_buffer(first + i)[0] for i in range(8)]
-        items = [(PageRecord("ns", b"k%d" % (first + i), first + i), memoryview(b)) for i, b in enumerate(bufs)]
+        items = [(slot_record("ns", b"k%d" % (first + i), first + i), memoryview(b)) for i, b in enumerate(bufs)]
         results.append(tier.write_pages(items))
 
     threads = [threading.Thread(target=batch, args=(8 * n,)) for n in range(8)]

@@ -59,7 +59,7 @@ def test_an_entry_copied_under_another_namespaces_key_is_a_miss(written):
         # b's entry for k9 now says what a's entry for k0 says (a's slot, a's checksum), with
         # a later write sequence, so that it, not a's entry, is taken as the slot's owner.
         value = bytearray(txn.get(index_key("a", b"k0")))
-        value[16:24] = (100).to_bytes(8, "little")
+        value[21:29] = (100).to_bytes(8, "little")  # the seq field (kvtier.mechanism.disk_index)
         txn.put(index_key("b", b"k9"), bytes(value))
 
     tamper(directory, move)
@@ -105,7 +105,7 @@ def test_slot_bytes_moved_with_their_checksum_are_a_miss(written):
 
     def adopt_checksum(txn):
         mine, theirs = bytearray(txn.get(index_key("a", b"k0"))), txn.get(index_key("b", b"k0"))
-        mine[8:16] = theirs[8:16]  # the checksum field
+        mine[13:21] = theirs[13:21]  # the checksum field (kvtier.mechanism.disk_index)
         txn.put(index_key("a", b"k0"), bytes(mine))
 
     tamper(directory, adopt_checksum)

@@ -20,6 +20,7 @@ import xxhash
 from kvtier_client.ids import Slot
 from test_disk import LAYOUT, read, write
 
+from kvtier.codecs import Encoded
 from kvtier.core.ports import PageRecord
 from kvtier.mechanism.cluster import ClusterTier, FaultKind, open_backend
 from kvtier.mechanism.cluster.values import HEADER, Verdict, cluster_key, decode_into, header, layout_hash
@@ -41,9 +42,9 @@ def test_each_format_reads_its_current_version_and_refuses_a_newer_one():
         assert fmt.reading(fmt.current + 1) is Reading.REFUSE
         assert fmt.reading(None) is Reading.REFUSE  # no version at all: never guessed
         assert fmt.reading(fmt.oldest - 1) is Reading.DROP
-    line = DISK_INDEX.refusal("disk tier at /c/x", 3, "start with an empty --cache-dir")
-    assert line == ("disk tier at /c/x holds disk index format 3, written by a newer kvtier; this kvtier reads disk "
-                    "index formats up to 2: upgrade kvtier, or start with an empty --cache-dir")
+    line = DISK_INDEX.refusal("disk tier at /c/x", 4, "start with an empty --cache-dir")
+    assert line == ("disk tier at /c/x holds disk index format 4, written by a newer kvtier; this kvtier reads disk "
+                    "index formats up to 3: upgrade kvtier, or start with an empty --cache-dir")
 
 
 # -- disk: slab and index -----------------------------------------------------------------
@@ -78,7 +79,7 @@ def written(tmp_path):
 
 def test_a_disk_tier_round_trips_in_the_current_formats(written):
     directory, pages = written
-    assert meta(directory)[b"format"] == b"2" and meta(directory)[b"slab_format"] == b"1"
+    assert meta(directory)[b"format"] == b"3" and meta(directory)[b"slab_format"] == b"2"
     tier = DiskTier(directory, LAYOUT, 8, fsync="never")
     try:
         by_key = {r.key: r for r in tier.records()}
@@ -127,7 +128,7 @@ def test_a_disk_tier_written_before_format_versions_is_read_as_current(tmp_path)
             assert read(tier, records[identity]) == (True, data)
     finally:
         tier.close()
-    assert meta(directory)[b"slab_format"] == b"1"  # recorded from now on
+    assert meta(directory)[b"format"] == b"3" and meta(directory)[b"slab_format"] == b"2"  # rewritten, recorded
 
 
 def test_an_index_from_before_seals_is_forgotten_at_open_and_counted(written, caplog):
@@ -144,14 +145,14 @@ def test_an_index_from_before_seals_is_forgotten_at_open_and_counted(written, ca
         assert read(tier, record) == (True, data)
     finally:
         tier.close()
-    assert meta(directory)[b"format"] == b"2"
+    assert meta(directory)[b"format"] == b"3"
 
 
 REFUSED = {
-    "newer index": (b"format", b"3", ("holds disk index format 3, written by a newer kvtier; this kvtier reads disk "
-                                      "index formats up to 2: upgrade kvtier")),
-    "newer slab": (b"slab_format", b"2", ("holds disk slab format 2, written by a newer kvtier; this kvtier reads "
-                                          "disk slab formats up to 1: upgrade kvtier")),
+    "newer index": (b"format", b"4", ("holds disk index format 4, written by a newer kvtier; this kvtier reads disk "
+                                      "index formats up to 3: upgrade kvtier")),
+    "newer slab": (b"slab_format", b"3", ("holds disk slab format 3, written by a newer kvtier; this kvtier reads "
+                                          "disk slab formats up to 2: upgrade kvtier")),
     "unknown index": (b"format", b"v3", "holds disk index a format kvtier never wrote"),
 }
 
@@ -172,7 +173,7 @@ def test_a_disk_tier_of_a_newer_kvtier_is_refused_with_one_line_and_left_alone(w
         assert line.endswith("or move that directory away (or start with an empty --cache-dir) for an empty disk tier")
     # Left as the newer kvtier wrote it: that kvtier, back again, still has its pages.
     assert meta(directory)[key] == value
-    set_meta(directory, key, b"2" if key == b"format" else b"1")
+    set_meta(directory, key, b"3" if key == b"format" else b"2")
     tier = DiskTier(directory, LAYOUT, 8, fsync="never")
     try:
         assert len(list(tier.records())) == len(pages)
@@ -302,16 +303,16 @@ def with_version(head: bytes, version: int) -> bytes:
 
 def decode(head: bytes, stored: bytes) -> Verdict:
     out = memoryview(bytearray(b"\xee" * LAYOUT.page_bytes))
-    verdict, _ = decode_into(LAYOUT_HASH, IDENTITY, Sealer(), head, stored, out)
+    verdict, _ = decode_into(LAYOUT_HASH, LAYOUT, IDENTITY, Sealer(), head, stored, out)
     assert (bytes(out) == stored) if verdict is Verdict.GOOD else (bytes(out) == b"\xee" * LAYOUT.page_bytes)
     return verdict
 
 
 def test_cluster_values_of_the_current_and_todays_format_are_read():
     page = page_bytes(3)
-    head = header(LAYOUT_HASH, IDENTITY, Sealer(), memoryview(page))
-    assert head[4] == CLUSTER_VALUE.current == 2 and len(head) == HEADER.size
-    assert head == todays_header(page)  # unchanged: every node of the previous commit reads it
+    head = header(LAYOUT_HASH, IDENTITY, Sealer(), len(page), Encoded(0, memoryview(page)))
+    assert head[4] == CLUSTER_VALUE.current == 3 and len(head) == HEADER.size
+    assert with_version(head, 2) == todays_header(page)  # identity: format 2's fields, over the same bytes
     assert decode(head, page) is Verdict.GOOD
     assert decode(todays_header(page), page) is Verdict.GOOD
 
@@ -320,16 +321,15 @@ def test_cluster_values_of_other_formats_are_of_another_version_not_corrupt():
     page = page_bytes(4)
     head = todays_header(page)
     assert decode(with_version(head, 1), page) is Verdict.VERSION  # before seals: binds no key
-    assert decode(with_version(head, 3), page) is Verdict.VERSION  # a newer kvtier's
-    assert decode(with_version(head, 3) + b"a longer header", page) is Verdict.VERSION  # its header may grow
+    assert decode(with_version(head, 4), page) is Verdict.VERSION  # a newer kvtier's
+    assert decode(with_version(head, 4) + b"a longer header", page) is Verdict.VERSION  # its header may grow
     assert decode(b"KVTX" + head[4:], page) is Verdict.CORRUPT  # not a kvtier value at all
     assert decode(head[:-1], page) is Verdict.CORRUPT
 
 
 @pytest.fixture
 def cluster_tier(redis_cluster):
-    tier = ClusterTier(open_backend(redis_cluster.url, timeout=5.0), page_bytes=LAYOUT.page_bytes,
-                       layout_id=LAYOUT.layout_id)
+    tier = ClusterTier(open_backend(redis_cluster.url, timeout=5.0), layout=LAYOUT)
     yield tier
     tier.close()
 
@@ -340,7 +340,7 @@ def test_a_cluster_value_of_a_newer_kvtier_is_a_counted_miss_left_in_the_cluster
     assert cluster_tier.write("ns", [(k, memoryview(p)) for k, p in zip(keys, pages)]) == 3
     store = redis_cluster.client()
     newer = cluster_key("kvtier", LAYOUT.layout_id, "ns", b"k1")
-    store.hset(newer, b"h", with_version(store.hget(newer, b"h"), 3))  # as a newer node writes it
+    store.hset(newer, b"h", with_version(store.hget(newer, b"h"), 4))  # as a newer node writes it
 
     def read_all() -> tuple[list[int | None], list[bytes]]:
         views = [memoryview(bytearray(LAYOUT.page_bytes)) for _ in keys]
@@ -356,7 +356,7 @@ def test_a_cluster_value_of_a_newer_kvtier_is_a_counted_miss_left_in_the_cluster
     assert cluster_tier.present("ns", keys) == 3
     assert not cluster_tier.failing  # no fault episode: the cluster answers, writers go on
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(lines) == 1 and "cluster value format 3, which this kvtier (format 2) does not read" in lines[0]
+    assert len(lines) == 1 and "cluster value format 4, which this kvtier (cluster value format 3) does not read" in lines[0]
 
 
 def test_a_cluster_value_of_todays_format_is_read_from_the_cluster(redis_cluster, cluster_tier):

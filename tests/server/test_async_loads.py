@@ -34,6 +34,8 @@ import grpc
 import lmdb
 import pytest
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier.core.chunks import chunk_bytes_for
+from kvtier.mechanism.disk_index import encode_key, unpack_entry
 from rpc import (
     LAYOUT,
     Arena,
@@ -530,17 +532,17 @@ def test_prefetched_page_is_held_then_ages(daemons, store):
 
 
 # -- (f) corrupt pages --------------------------------------------------------------------
-def disk_slot(cache_dir, pool: str, namespace: str, key: bytes) -> int:
-    """The disk slot of a page, read from the tier's LMDB index (docs/tiers.md): key =
-    u16 len(namespace) ‖ namespace ‖ block key, value starts with the u32 slot."""
+def disk_offset(cache_dir, pool: str, namespace: str, key: bytes, slot_bytes: int) -> int:
+    """Where a page's stored bytes start in the slab, read from the tier's LMDB index
+    (kvtier.mechanism.disk_index): its first chunk."""
     env = lmdb.open(str(cache_dir / pool / "index.lmdb"), readonly=True, lock=False, max_dbs=2)
     try:
         db = env.open_db(b"pages", create=False)
-        ns = namespace.encode()
+        raw_key = encode_key(namespace, key)
         with env.begin(db=db) as txn:
-            raw = txn.get(len(ns).to_bytes(2, "little") + ns + key)
+            raw = txn.get(raw_key)
         assert raw is not None, f"{key.hex()} is not in the disk index"
-        return int.from_bytes(raw[:4], "little")
+        return unpack_entry(raw_key, raw).extent[0] * chunk_bytes_for(slot_bytes)
     finally:
         env.close()
 
@@ -554,11 +556,11 @@ def test_corrupt_page_under_wait_all(daemons, store):
     base = st.push_to_disk()
 
     # Flip the first bytes of k[3]'s slot in the slab file.
-    slot = disk_slot(d.cache_dir, st.pool, "corrupt", k[3])
+    at = disk_offset(d.cache_dir, st.pool, "corrupt", k[3], st.s.reply.slot_bytes)
     with open(d.cache_dir / st.pool / "slab.bin", "r+b") as slab:
-        slab.seek(slot * st.s.reply.slot_bytes)
+        slab.seek(at)
         head = slab.read(64)
-        slab.seek(slot * st.s.reply.slot_bytes)
+        slab.seek(at)
         slab.write(bytes(b ^ 0xFF for b in head))
         slab.flush()
         os.fsync(slab.fileno())

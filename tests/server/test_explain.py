@@ -17,7 +17,7 @@ from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.results import BlockReason
 from kvtier_client.tiers import Tier
 from rpc import LAYOUT, Conn, expect_code, free_port, keys, pool_stats, run_kvtier, scrape, value
-from test_async_loads import disk_slot
+from test_async_loads import disk_offset
 
 #: A second layout (4096-byte pages) for the same namespace: a pool of its own.
 OTHER_LAYOUT = pb.PageLayout(layers=1, kv_heads=1, head_dim=64, block_tokens=16, dtype="float16", order="page_first")
@@ -37,11 +37,11 @@ EXPECTED = [
 
 def flip_disk_page(daemon, pool: str, namespace: str, key: bytes, slot_bytes: int) -> None:
     """Invert the first bytes of a page in the slab file: its checksum no longer matches."""
-    slot = disk_slot(daemon.cache_dir, pool, namespace, key)
+    at = disk_offset(daemon.cache_dir, pool, namespace, key, slot_bytes)
     with open(daemon.cache_dir / pool / "slab.bin", "r+b") as slab:
-        slab.seek(slot * slot_bytes)
+        slab.seek(at)
         head = slab.read(64)
-        slab.seek(slot * slot_bytes)
+        slab.seek(at)
         slab.write(bytes(b ^ 0xFF for b in head))
 
 

@@ -6,9 +6,12 @@ an episode of faults begins and once when calls succeed again, and never raised 
 caller. A value that fails its header or checksum (corrupt), or whose seal is not that of
 the key it was read under (misbound: moved from another key or namespace, or sealed with
 another secret; kvtier.mechanism.seal), is deleted from the store and counted: no node
-reads it again. A value in a format this kvtier does not read (a newer kvtier's, while a
-rolling upgrade is under way) is a miss, counted and logged once per format, and left in
-the store for the nodes that read it.
+reads it again. A value in a format, or of a codec, this kvtier does not read (a newer
+kvtier's, while a rolling upgrade is under way) is a miss, counted and logged once per
+format or codec, and left in the store for the nodes that read it.
+
+Each namespace's pages are written with its codec (kvtier.codecs, `codecs`), encoded on
+the writer's thread; reads decode on the reader's workers.
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvtier_client.layout import PageLayout
+
+from kvtier.codecs import CodecChoice
 from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, RemoteStore
-from kvtier.mechanism.codec import IDENTITY, PageCodec
 from kvtier.mechanism.cluster.values import (
-    HEADER, Verdict, cluster_key, decode_into, header, layout_hash, value_format,
+    HEADER, Verdict, cluster_key, codec_of, decode_into, header, layout_hash, value_format,
 )
 from kvtier.mechanism.formats import CLUSTER_VALUE
 from kvtier.mechanism.seal import PageIdentity, Sealer
@@ -43,7 +48,8 @@ class ClusterStats:
     bytes_read: int = 0
     read_misses: int = 0  # pages asked for that were absent (evicted there, or never stored)
     pages_written: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # as the engine wrote them
+    stored_bytes_written: int = 0  # as stored (encoded): bytes_written / this is the codec's ratio
     writes_dropped: int = 0  # pages not written: the queue was full or the cluster down
     faults: Counter = field(default_factory=Counter)  # FaultKind -> keys failed
     memory: RemoteMemory | None = None  # the store's own figures, last read
@@ -56,25 +62,26 @@ class ClusterTier:
     #: How long the store's memory figures are reused before asking again.
     MEMORY_TTL = 5.0
 
-    def __init__(self, store: RemoteStore, *, page_bytes: int, layout_id: str, prefix: str = "kvtier",
+    def __init__(self, store: RemoteStore, *, layout: PageLayout, prefix: str = "kvtier",
                  namespace_stores: Mapping[str, RemoteStore] | None = None,
                  observer: LatencyObserver | None = None, sealer: Sealer | None = None,
-                 codec: PageCodec = IDENTITY) -> None:
-        """`codec` encodes the pages this node writes (reads decode each value with the
+                 codecs: CodecChoice | None = None) -> None:
+        """`codecs` encode the pages this node writes (reads decode each value with the
         codec its header names)."""
         self.store = store
         self.sealer = sealer or Sealer()
-        self.codec = codec
-        self.page_bytes = page_bytes
-        self.layout_id = layout_id
+        self.codecs = codecs or CodecChoice()
+        self.layout = layout
+        self.page_bytes = layout.page_bytes
+        self.layout_id = layout.layout_id
         self.prefix = prefix
         self.namespace_stores = dict(namespace_stores or {})
         self.observer = observer
-        self._layout = layout_hash(layout_id)
+        self._layout = layout_hash(self.layout_id)
         self._lock = threading.Lock()
         self._stats = ClusterStats()
         self._episode: Counter = Counter()  # faults since the last success; empty = healthy
-        self._other_formats: set[int] = set()  # value formats not read here, each logged once
+        self._other_formats: set[str] = set()  # value formats and codecs not read here, each logged once
         self._memory_at = 0.0
 
     # -- batches ----------------------------------------------------------------
@@ -103,14 +110,17 @@ class ClusterTier:
         so the host tier need not hash the page again."""
         replies = self._call("get", namespace, lambda s, ks: s.get(ks), keys)
         ok: list[int | None] = []
-        bad = {Verdict.CORRUPT: [], Verdict.MISBOUND: [], Verdict.VERSION: []}
+        bad = {Verdict.CORRUPT: [], Verdict.MISBOUND: [], Verdict.VERSION: [], Verdict.CODEC: []}
         absent = 0
         for key, reply, view in zip(keys, replies, views):
             verdict, checksum = None, 0
             if isinstance(reply, tuple):
-                verdict, checksum = decode_into(self._layout, self.identity(namespace, key), self.sealer, *reply, view)
+                verdict, checksum = decode_into(self._layout, self.layout, self.identity(namespace, key), self.sealer,
+                                                *reply, view)
                 if verdict is Verdict.VERSION:
-                    bad[verdict].append(value_format(reply[0]))
+                    bad[verdict].append(f"cluster value format {value_format(reply[0])}")
+                elif verdict is Verdict.CODEC:
+                    bad[verdict].append(f"codec id {codec_of(reply[0])}")
                 elif verdict is not Verdict.GOOD:
                     bad[verdict].append(key)
             absent += reply is None
@@ -121,8 +131,8 @@ class ClusterTier:
             self._drop(namespace, bad[Verdict.MISBOUND], FaultKind.MISBOUND,
                        "are sealed as another key's, namespace's or layout's (moved there), or with another "
                        "seal_key_file than this node's (every node must share one)")
-        if bad[Verdict.VERSION]:
-            self._other_format(namespace, bad[Verdict.VERSION])
+        if bad[Verdict.VERSION] or bad[Verdict.CODEC]:
+            self._other_format(namespace, bad[Verdict.VERSION] + bad[Verdict.CODEC])
         pages = sum(checksum is not None for checksum in ok)
         with self._lock:
             self._stats.pages_read += pages
@@ -137,17 +147,17 @@ class ClusterTier:
                     extra={"pool": self.layout_id, "fault": kind.value})
         self._call("delete", namespace, lambda s, ks: s.delete(ks), keys)
 
-    def _other_format(self, namespace: str, found: list[int]) -> None:
-        """Values of formats this kvtier does not read: misses, counted, never deleted
-        (the nodes of the kvtier that wrote them read them); one line per format."""
+    def _other_format(self, namespace: str, found: list[str]) -> None:
+        """Values of formats or codecs this kvtier does not read: misses, counted, never
+        deleted (the nodes of the kvtier that wrote them read them); one line each."""
         with self._lock:
             self._stats.faults[FaultKind.VERSION] += len(found)
             new = set(found) - self._other_formats
             self._other_formats |= new
-        for version in sorted(new):
-            log.warning("cluster tier: values of %r in cluster value format %d, which this kvtier (format %d) does not "
-                        "read, are misses on this node and left for the nodes that read them; mixed formats end with "
-                        "the rolling upgrade", namespace, version, CLUSTER_VALUE.current,
+        for what in sorted(new):
+            log.warning("cluster tier: values of %r in %s, which this kvtier (cluster value format %d) does not "
+                        "read, are misses on this node and left for the nodes that read them; they end with "
+                        "the rolling upgrade", namespace, what, CLUSTER_VALUE.current,
                         extra={"pool": self.layout_id, "fault": FaultKind.VERSION.value})
 
     def identity(self, namespace: str, key: bytes) -> PageIdentity:
@@ -162,16 +172,21 @@ class ClusterTier:
         """Store each (key, page); whether each was stored. `checksums`: each page's xxh3-64
         where already known (the host tier computed it at commit), None to compute it."""
         sums = checksums or [None] * len(items)
-        codec = self.codec
-        values = [(key, (header(self._layout, self.identity(namespace, key), self.sealer, page, checksum, codec),
-                         codec.encode(page)))
-                  for (key, page), checksum in zip(items, sums)]
+        codec = self.codecs.for_namespace(namespace, self.layout)
+        values, stored_bytes = [], 0
+        for (key, page), checksum in zip(items, sums):
+            encoded = codec.encode(page)
+            stored_bytes += len(encoded.data)
+            known = checksum if not encoded.codec else None  # a host checksum is the page's, not an encoding's
+            values.append((key, (header(self._layout, self.identity(namespace, key), self.sealer, len(page), encoded,
+                                        known), encoded.data)))
         replies = self._call("put", namespace, lambda s, kvs: s.put(kvs), values, keyed=True)
         ok = [r is True for r in replies]
         stored = sum(ok)
         with self._lock:
             self._stats.pages_written += stored
             self._stats.bytes_written += stored * self.page_bytes
+            self._stats.stored_bytes_written += stored_bytes * stored // max(1, len(items))
         return ok
 
     def _call(self, op: str, namespace: str, run: Callable, items: Sequence, *, keyed: bool = False) -> list:
@@ -240,7 +255,7 @@ class ClusterTier:
         with self._lock:
             s = self._stats
             return ClusterStats(s.looked_up, s.found, s.pages_read, s.bytes_read, s.read_misses, s.pages_written,
-                                s.bytes_written, s.writes_dropped, Counter(s.faults), s.memory)
+                                s.bytes_written, s.stored_bytes_written, s.writes_dropped, Counter(s.faults), s.memory)
 
     def dropped(self, n: int) -> None:
         """`n` pages were not offered to the store (the writer's queue was full)."""
@@ -249,8 +264,12 @@ class ClusterTier:
 
     @property
     def value_bytes(self) -> int:
-        """What one page takes in the store, header included (before the store's own overhead)."""
-        return HEADER.size + self.page_bytes
+        """What one page takes in the store, header included (before the store's own
+        overhead): as this node's writes so far were encoded, on average."""
+        with self._lock:
+            s = self._stats
+            stored = s.stored_bytes_written // s.pages_written if s.pages_written else self.page_bytes
+        return HEADER.size + stored
 
     def close(self) -> None:
         self.store.close()

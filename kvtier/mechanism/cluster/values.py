@@ -4,19 +4,22 @@ Key: `<prefix>:<layout id>:<namespace, percent-quoted>:<block key, hex>`. Printa
 operator can read it in `redis-cli` and write ACL key patterns per namespace
 (`~kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never share a key.
 
-Value: a 48-byte header and the page as its codec encodes it (kvtier.mechanism.codec;
-identity: the page itself), stored as two parts of one value (RemoteStore):
+Value: a 48-byte header and the page as its codec encodes it (kvtier.codecs; identity: the
+page itself), stored as two parts of one value (RemoteStore):
 
     offset  size  field
     0       4     magic b"KVTP"
-    4       1     format version (kvtier.mechanism.formats.CLUSTER_VALUE: 2)
+    4       1     format version (kvtier.mechanism.formats.CLUSTER_VALUE: 3)
     5       1     seal kind (kvtier.mechanism.seal.SealKind: 0 checksum, 1 keyed)
-    6       1     codec id (0 identity; one a reader does not know makes the value corrupt)
+    6       1     codec id (kvtier.codecs; one a reader does not know: a miss, left in place)
     7       1     zero
     8       8     layout hash (first 8 bytes of the layout id's digest), little-endian
     16      8     page length in bytes (decoded), little-endian
-    24      8     xxh3-64 of the page bytes (decoded), little-endian
-    32      16    seal of the page as (layout, namespace, block key)'s (kvtier.mechanism.seal)
+    24      8     xxh3-64 of the stored (encoded) bytes, little-endian
+    32      16    seal of the stored bytes as (layout, namespace, block key)'s (kvtier.mechanism.seal)
+
+Format 2 wrote identity only, so its checksum and seal, over the page, are over the stored
+bytes too: it is read as format 3.
 
 A value whose header or checksum does not match is corrupt; one whose seal does not match
 the key it was read under is misbound (moved from another key or namespace, or sealed with
@@ -33,8 +36,9 @@ import struct
 from urllib.parse import quote
 
 import xxhash
+from kvtier_client.layout import PageLayout
 
-from kvtier.mechanism.codec import CODECS, IDENTITY, PageCodec
+from kvtier.codecs import Encoded, decoder
 from kvtier.mechanism.formats import CLUSTER_VALUE, Reading
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
@@ -49,6 +53,10 @@ class Verdict(enum.Enum):
     CORRUPT = "corrupt"  # a header, length or checksum that does not hold (or an older format)
     MISBOUND = "misbound"  # intact, but sealed as another key's, namespace's or secret's
     VERSION = "version"  # of a format this kvtier does not read (another kvtier's): left in the store
+    CODEC = "codec"  # intact, of a codec this kvtier does not know (a newer kvtier's): left in the store
+
+#: read_checked's answer for a good page that was decoded: its checksum is not known (hash it).
+UNHASHED = -1
 
 
 def cluster_key(prefix: str, layout_id: str, namespace: str, key: bytes) -> bytes:
@@ -59,14 +67,14 @@ def layout_hash(layout_id: str) -> int:
     return int(layout_id[:16].ljust(16, "0"), 16)
 
 
-def header(layout: int, identity: PageIdentity, sealer: Sealer, page: memoryview, checksum: int | None = None,
-           codec: PageCodec = IDENTITY) -> bytes:
-    """The header of `page` stored as `identity` (`checksum`: its xxh3-64 if already
-    known) and encoded by `codec` (what to store after it: `codec.encode(page)`)."""
+def header(layout: int, identity: PageIdentity, sealer: Sealer, page_bytes: int, encoded: Encoded,
+           checksum: int | None = None) -> bytes:
+    """The header of a page of `page_bytes` stored as `identity`, encoded as `encoded` (what
+    to store after it: `encoded.data`); `checksum`: the stored bytes' xxh3-64 if known."""
     if checksum is None:
-        checksum = xxhash.xxh3_64_intdigest(page)
-    return HEADER.pack(MAGIC, CLUSTER_VALUE.current, sealer.kind, codec.id, layout, page.nbytes, checksum,
-                       sealer.seal(identity, page, checksum))
+        checksum = xxhash.xxh3_64_intdigest(encoded.data)
+    return HEADER.pack(MAGIC, CLUSTER_VALUE.current, sealer.kind, encoded.codec, layout, page_bytes, checksum,
+                       sealer.seal(identity, encoded.data, checksum))
 
 
 def value_format(head: bytes) -> int | None:
@@ -74,11 +82,17 @@ def value_format(head: bytes) -> int | None:
     return head[4] if len(head) > 4 and head[:4] == MAGIC else None
 
 
-def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes, stored: bytes,
-                out: memoryview) -> tuple[Verdict, int]:
-    """Decode the stored page into `out` if its format, header, codec, checksum and seal as
-    `identity` hold, and give the checksum it verified; otherwise say what is wrong (the
-    caller drops it, or leaves a value of another version; checksum 0) and leave `out` alone."""
+def codec_of(head: bytes) -> int:
+    return head[6]
+
+
+def decode_into(layout: int, page_layout: PageLayout, identity: PageIdentity, sealer: Sealer, head: bytes,
+                stored: bytes, out: memoryview) -> tuple[Verdict, int]:
+    """Decode the stored page into `out` if its format, header, checksum, seal as `identity`
+    and codec hold, and give the page's checksum (UNHASHED for a page that was decoded);
+    otherwise say what is wrong (the caller drops it, or leaves a value of another version
+    or codec; checksum 0) and leave `out` alone, or, for a page that does not decode,
+    partly written."""
     found = value_format(head)
     if found is None:
         return Verdict.CORRUPT, 0
@@ -87,13 +101,16 @@ def decode_into(layout: int, identity: PageIdentity, sealer: Sealer, head: bytes
     if len(head) != HEADER.size:
         return Verdict.CORRUPT, 0
     _, _, kind, codec_id, their_layout, length, checksum, seal = HEADER.unpack(head)
-    if their_layout != layout or length != out.nbytes:
+    if their_layout != layout or length != out.nbytes or xxhash.xxh3_64_intdigest(stored) != checksum:
         return Verdict.CORRUPT, 0
-    codec = CODECS.get(codec_id)
-    page = codec.decode(stored, out.nbytes) if codec is not None else None
-    if page is None or xxhash.xxh3_64_intdigest(page) != checksum:
-        return Verdict.CORRUPT, 0
-    if not sealer.check(identity, page, checksum, kind, seal):
+    if not sealer.check(identity, stored, checksum, kind, seal):
         return Verdict.MISBOUND, 0
-    out[:] = page
-    return Verdict.GOOD, checksum
+    if codec_id == 0:
+        if len(stored) != out.nbytes:
+            return Verdict.CORRUPT, 0
+        out[:] = stored
+        return Verdict.GOOD, checksum
+    codec = decoder(codec_id, page_layout)
+    if codec is None:
+        return Verdict.CODEC, 0
+    return (Verdict.GOOD, UNHASHED) if codec.decode_into(stored, out) else (Verdict.CORRUPT, 0)
