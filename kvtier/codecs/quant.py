@@ -241,13 +241,15 @@ class _Codec:
 
     def encode(self, page: memoryview) -> Encoded:
         out = np.empty(self.nbytes, np.uint8)
-        self._encode(self._array(page), out)
+        with np.errstate(all="ignore"):  # NaN and infinities are not kept (module docstring)
+            self._encode(self._array(page), out)
         return Encoded(self.id, memoryview(out))
 
     def decode_into(self, data: memoryview | bytes, out: memoryview) -> bool:
         if len(data) != self.nbytes or len(out) != self.layout.page_bytes:
             return False
-        self._decode(np.frombuffer(data, np.uint8), np.frombuffer(out, self.dtype).reshape(self.shape))
+        with np.errstate(all="ignore"):  # any bytes decode: damage is for checksums to find
+            self._decode(np.frombuffer(data, np.uint8), np.frombuffer(out, self.dtype).reshape(self.shape))
         return True
 
 
