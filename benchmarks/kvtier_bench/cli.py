@@ -75,6 +75,7 @@ class _BenchGroup(click.Group):
     only when it is asked for: every other command works whatever state that module is in."""
 
     LAZY = {"e2e": ("kvtier_bench.e2e", "command")}
+    LAZY["codecs"] = ("kvtier_bench.codecs", "command")  # numpy only, but kept off every other command's start
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
