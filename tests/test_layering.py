@@ -56,7 +56,8 @@ PACKAGES = {"kvtier": ROOT / "kvtier", "kvtier_client": ROOT / "client" / "kvtie
 ALLOWED = {
     "kvtier.policy": ("kvtier.policy",),
     "kvtier.core": ("kvtier.core", "kvtier.policy"),
-    "kvtier.mechanism": ("kvtier.mechanism", "kvtier.core.ports", "kvtier.units"),
+    "kvtier.mechanism": ("kvtier.mechanism", "kvtier.core.ports", "kvtier.core.chunks", "kvtier.codecs", "kvtier.units"),
+    "kvtier.codecs": ("kvtier.codecs",),  # page codecs of the lower tiers: bytes in, bytes out
     "kvtier.events": ("kvtier.events",),  # the daemon's KV event publisher: tiers and keys in, frames out
     "kvtier_client": ("kvtier_client",),
 }

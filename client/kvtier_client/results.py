@@ -105,6 +105,9 @@ class TierStats:
     held_pages: int = 0  # loaded ahead of use, kept for the daemon's prefetch_hold
     io_errors: int = 0  # failed reads or writes of this tier
     refused_pages: int = 0  # disk: host pages the daemon's disk admission kept off it
+    stored_bytes: int = 0  # disk, cluster: what cached pages take as stored (encoded); 0 elsewhere
+    capacity_bytes: int = 0  # disk, cluster: the tier's room in bytes
+    free_bytes: int = 0
 
     @property
     def idle_pages(self) -> int:
@@ -116,7 +119,8 @@ class TierStats:
         return cls(
             tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
             m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
-            m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors, m.refused_pages,
+            m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors, m.refused_pages, m.stored_bytes,
+            m.capacity_bytes, m.free_bytes,
         )
 
 

@@ -9,7 +9,6 @@ its own. A slot still names each disk copy (its index entry); chunks are where i
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ class DiskSpace:
     reserve: Callable[[str], int]
 
 
-def chunk_bytes_for(slot_bytes: int, align: int = 4096, most: int = 16) -> int:
+def chunk_bytes_for(slot_bytes: int, align: int = 4096, most: int = 64) -> int:
     """The chunk size for pages of `slot_bytes`: the smallest `align` multiple that divides
     the slot in at most `most` chunks (a raw page is then whole chunks, and a page encoded
     to a fraction of its size takes about that fraction)."""
@@ -61,8 +60,10 @@ def split(extent: Extent, n: int) -> tuple[Extent, Extent]:
 
 
 class ChunkAllocator:
-    """Free chunks, lowest first (so a page's chunks are mostly one run), with a flag per
-    chunk that turns a double free or a chunk owned twice into a crash with a message."""
+    """Free chunks as one byte each: `take` scans for free ones from where the last take
+    ended (next fit, in C: bytearray.find), so a page's chunks are mostly one run and the
+    allocator costs a byte per chunk. The flags also turn a double free or a chunk owned
+    twice into a crash with a message."""
 
     def __init__(self, total: int, used: Iterable[Extent] = ()) -> None:
         self.total = total
@@ -72,27 +73,34 @@ class ChunkAllocator:
                 if not self._is_free[c]:
                     raise RuntimeError(f"disk chunk {c} is recovered twice")
                 self._is_free[c] = 0
-        self._free = [c for c in range(total) if self._is_free[c]]  # sorted: already a heap
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
+        self.free_count = self._is_free.count(1)
+        self._cursor = 0
 
     def take(self, n: int) -> Extent:
         """`n` free chunks. The caller checked `free_count`; too few is a bug."""
-        if n > len(self._free):
-            raise RuntimeError(f"chunk allocator has {len(self._free)} free chunks, {n} asked: make room first")
-        chunks = [heapq.heappop(self._free) for _ in range(n)]
-        for c in chunks:
-            self._is_free[c] = 0
+        if n > self.free_count:
+            raise RuntimeError(f"chunk allocator has {self.free_count} free chunks, {n} asked: make room first")
+        flags, chunks, at = self._is_free, [], self._cursor
+        while len(chunks) < n:
+            c = flags.find(1, at)
+            if c < 0:
+                c = flags.find(1)
+            end = flags.find(0, c)
+            end = min(self.total if end < 0 else end, c + n - len(chunks))
+            flags[c:end] = bytes(end - c)
+            chunks.extend(range(c, end))
+            at = end
+        self._cursor = at
+        self.free_count -= n
         return extent_of(chunks)
 
     def give(self, extent: Extent) -> None:
-        for c in chunks_in(extent):
-            if self._is_free[c]:
-                raise RuntimeError(f"double free of disk chunk {c}")
-            self._is_free[c] = 1
-            heapq.heappush(self._free, c)
+        flags = self._is_free
+        for start, count in zip(extent[0::2], extent[1::2]):
+            if flags.find(1, start, start + count) >= 0:
+                raise RuntimeError(f"double free of a disk chunk in {start}..{start + count - 1}")
+            flags[start : start + count] = b"\x01" * count
+            self.free_count += count
 
     def free_chunks(self) -> list[int]:
-        return list(self._free)
+        return [c for c, free in enumerate(self._is_free) if free]

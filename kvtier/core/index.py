@@ -113,6 +113,13 @@ class TierState:
     space: DiskSpace | None = None  # disk: the chunks' geometry, and what a page reserves
     stored_bytes: int = 0  # disk: bytes its cached copies take as stored (encoded)
 
+    def byte_usage(self) -> tuple[int, int, int]:
+        """(stored, capacity, free) bytes where pages take their encodings' chunks (disk); 0s elsewhere."""
+        if self.chunks is None:
+            return 0, 0, 0
+        chunk = self.space.chunk_bytes
+        return self.stored_bytes, self.chunks.total * chunk, self.chunks.free_count * chunk
+
     def breakdown(self, blocks: dict[Ref, "Block"], now: float) -> tuple[int, int, int]:
         """(pinned, loading, held): cached copies in exactly one of these states (pinned
         first, then loading, then held within its hold); the rest of `cached` is idle."""

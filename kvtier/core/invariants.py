@@ -19,6 +19,8 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
 9. Namespaces add up: each namespace's pages in a tier are its copies there plus its
    writing slots (host: write leases; disk: writes in flight), and the namespaces' pages
    sum to the tier's cached plus writing pages.
+10. Every disk chunk is exactly one of free, reserved by a write in flight, or in one disk
+   copy's extent; the disk's stored bytes are its copies' stored lengths.
 
 Two quota rules hold only under conditions the store cannot see, so they are checked
 apart: `check_quotas_kept` (no namespace above its maximum; true after every step unless
@@ -32,6 +34,7 @@ from collections.abc import Iterable
 
 from kvtier_client.tiers import Tier
 
+from kvtier.core.chunks import chunks_in
 from kvtier.core.leases import LeaseKind
 from kvtier.core.ports import PageRecord
 from kvtier.core.results import StoreUsage
@@ -128,6 +131,8 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
         _require(len(state.policy) == len(cached), f"{tier.label} policy tracks {len(state.policy)} pages, tier caches {len(cached)}")
 
     _check_namespaces(store)
+    if Tier.DISK in store.tiers:
+        _check_chunks(store)
 
     if disk_records is not None and Tier.DISK in store.tiers:
         persisted = {((r.namespace, r.key), r.slot) for r in disk_records}
@@ -180,3 +185,18 @@ def check_guarantees_kept(before: StoreUsage, after: StoreUsage, requester: str)
             floor = min(was.get((usage.namespace, t.tier), 0), t.guaranteed_pages)
             _require(t.pages >= floor, f"a request of {requester!r} took namespace {usage.namespace!r} to {t.pages} "
                                        f"{t.tier.label} pages, below {floor} (its guarantee {t.guaranteed_pages})")
+
+
+def _check_chunks(store: BlockStore) -> None:
+    disk = store.tiers[Tier.DISK]
+    owners = Counter(c for b in store.blocks.values() if Tier.DISK in b.copies
+                     for c in chunks_in(b.copies[Tier.DISK].record.extent))
+    owners.update(c for record in store.saving.values() for c in chunks_in(record.extent))
+    twice = [c for c, n in owners.items() if n > 1]
+    _require(not twice, f"disk chunks {twice[:3]} belong to two pages")
+    free = set(disk.chunks.free_chunks())
+    _require(not free & owners.keys(), f"disk chunks {sorted(free & owners.keys())[:3]} are both free and used")
+    _require(len(free) + len(owners) == disk.chunks.total,
+             f"disk chunks: free {len(free)} + used {len(owners)} != {disk.chunks.total}: some leaked")
+    stored = sum(b.copies[Tier.DISK].record.stored for b in store.blocks.values() if Tier.DISK in b.copies)
+    _require(disk.stored_bytes == stored, f"disk counts {disk.stored_bytes} stored bytes, its copies {stored}")

@@ -85,6 +85,11 @@ class TierUsage:
     loading: int
     held: int
     counters: TierCounters
+    #: Disk and cluster: bytes the cached pages take as stored (their codecs' encodings),
+    #: and the tier's room in bytes; a codec's gain is cached * page_bytes / stored_bytes.
+    stored_bytes: int = 0
+    capacity_bytes: int = 0
+    free_bytes: int = 0
 
     @property
     def idle(self) -> int:

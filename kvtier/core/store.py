@@ -264,7 +264,7 @@ class BlockStore:
         now = time.monotonic()
         tiers = [
             TierUsage(state.tier, state.slots.capacity, state.slots.free_count, len(state.writing), state.cached,
-                      *state.breakdown(self._index.blocks, now), TierCounters(**vars(state.counters)))
+                      *state.breakdown(self._index.blocks, now), TierCounters(**vars(state.counters)), *state.byte_usage())
             for state in self._index.tiers.values()
         ]
         r = self._index.requests

@@ -5,7 +5,9 @@ A tier's figure starts from a short probe the first time someone asks for it (a 
 host memory, direct reads of a scratch file for the disk; run lazily so that a pool nobody
 plans against pays nothing) and is refined by real traffic:
 the disk reader reports each busy period (first read started to queue drained), so the
-figure includes queueing, checksums and the device's parallelism as the daemon uses it.
+figure includes queueing, checksums, decoding (kvtier.codecs) and the device's parallelism
+as the daemon uses it. A disk tier with a codec probes its decoding too (`with_decode`), so
+its first figure is already what a load of its pages costs.
 Nothing here is configured; a figure is always something this machine just did.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvtier.codecs import PageCodec
 from kvtier.mechanism.directio import aligned_buffer, open_direct
 
 #: Weight of a new observation in the moving average.
@@ -101,3 +104,27 @@ def probe_disk_reads(directory: str, chunk_bytes: int, depth: int, nbytes: int =
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def with_decode(read_rate: float, codec: PageCodec, workers: int, reps: int = 3) -> float:
+    """A tier's read rate in page bytes per second once its pages are decoded: each page's
+    encoding (smaller by the codec's ratio) read at `read_rate`, then decoded on one of
+    `workers` threads, the two one after the other (conservative: a planner that trusts
+    this never loads slower than it thought). Identity changes nothing."""
+    if not codec.id or read_rate <= 0:
+        return read_rate
+    page_bytes = codec.layout.page_bytes
+    rng = np.random.default_rng(0)
+    page = memoryview(rng.standard_normal(page_bytes // codec.layout.itemsize).astype(np.float32)
+                      .astype(np.float16 if codec.layout.itemsize == 2 else np.float32).view(np.uint8))
+    if codec.layout.itemsize not in (2, 4):
+        page = memoryview(rng.integers(0, 256, page_bytes, dtype=np.uint8))
+    encoded = codec.encode(page)
+    out = memoryview(bytearray(page_bytes))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        codec.decode_into(encoded.data, out)
+        best = min(best, time.perf_counter() - start)
+    ratio = page_bytes / len(encoded.data)
+    return 1 / (1 / (read_rate * ratio) + best / (page_bytes * max(1, workers)))

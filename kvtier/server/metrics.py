@@ -55,6 +55,11 @@ class _StoreCollector:
         labels = ["pool", "tier"]
         capacity = GaugeMetricFamily("kvtier_tier_capacity_pages", "Pages a tier can hold.", labels=labels)
         capacity_bytes = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes of KV a tier can hold.", labels=labels)
+        stored = GaugeMetricFamily(
+            "kvtier_tier_stored_bytes", "Disk and cluster: bytes the cached pages take as stored (their codecs' "
+            "encodings); kvtier_tier_pages{state=cached} * page bytes over this is the codecs' gain.", labels=labels)
+        room = GaugeMetricFamily("kvtier_tier_room_bytes", "Disk and cluster: the tier's room in bytes, of which free "
+                                 "(state=free) or used (state=used).", labels=[*labels, "state"])
         pages = GaugeMetricFamily(
             "kvtier_tier_pages",
             "Pages of a tier by state: free + writing (borrowed) + cached = capacity; of the cached pages, pinned "
@@ -89,6 +94,10 @@ class _StoreCollector:
                 lv = [pool_id, t.tier.label]
                 capacity.add_metric(lv, t.capacity)
                 capacity_bytes.add_metric(lv, t.capacity * page_bytes)
+                if t.capacity_bytes:
+                    stored.add_metric(lv, t.stored_bytes)
+                    room.add_metric([*lv, "free"], t.free_bytes)
+                    room.add_metric([*lv, "used"], t.capacity_bytes - t.free_bytes)
                 for state, value in (("free", t.free), ("writing", t.writing), ("cached", t.cached), ("pinned", t.pinned),
                                      ("loading", t.loading), ("held", t.held)):
                     pages.add_metric([*lv, state], value)
@@ -116,7 +125,7 @@ class _StoreCollector:
         yield arrivals
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
-        yield from (capacity, capacity_bytes, pages, hits, evictions, promotions, demotions, moved, corrupt, misbound,
+        yield from (capacity, capacity_bytes, stored, room, pages, hits, evictions, promotions, demotions, moved, corrupt, misbound,
                     io_errors, refused, leases, session_gauge)
 
 

@@ -19,13 +19,13 @@ from kvtier_client.ids import LeaseId, SessionId
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
-from kvtier.codecs import CodecChoice
+from kvtier.codecs import CodecChoice, codec_named
 from kvtier.core.chunks import chunk_bytes_for
 from kvtier.events import EventPublisher
 from kvtier.core import BlockStore, ClusterWrite, LeaseKind, Quota, StoreUsage, clean_reserve
 from kvtier.core.index import TierCounters
 from kvtier.core.results import TierUsage
-from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy
+from kvtier.mechanism.bandwidth import Throughput, probe_disk_reads, probe_memcpy, with_decode
 from kvtier.mechanism.cluster import ClusterStats, ClusterTier, ClusterWriter, FaultKind, RemoteStore, open_backend
 from kvtier.mechanism.cluster.tier import LatencyObserver
 from kvtier.mechanism.device import AnyDeviceArena, CopyEngine, DeviceNoSpace, open_device_arena, pin_host
@@ -124,7 +124,9 @@ class Pool:
                     sealer=sealer, chunks=chunks, codecs=codecs,
                 )
                 disk_dir, depth = self.disk.directory, config.io_depth
-                self.bandwidth[Tier.DISK] = Throughput(lambda: probe_disk_reads(disk_dir, layout.slot_bytes, depth))
+                decoding = codec_named(codecs.default, layout), min(depth, os.cpu_count() or 1)
+                self.bandwidth[Tier.DISK] = Throughput(
+                    lambda: with_decode(probe_disk_reads(disk_dir, layout.slot_bytes, depth), *decoding))
                 self.reader = DiskReader(
                     self.disk, self.host, depth=config.io_depth, max_queued_prefetch=config.max_queued_prefetch,
                     observer=observer, throughput=self.bandwidth[Tier.DISK],
@@ -185,7 +187,8 @@ class Pool:
         faults = sum(n for kind, n in s.faults.items() if kind not in dropped)
         counters = TierCounters(hits=s.found, bytes_in=s.bytes_written, io_errors=faults,
                                 corrupt_pages=sum(s.faults[kind] for kind in dropped))
-        row = TierUsage(Tier.CLUSTER, capacity, capacity - cached, 0, cached, 0, 0, 0, counters)
+        used, limit = (s.memory.used, max(s.memory.limit, s.memory.used)) if s.memory else (0, 0)
+        row = TierUsage(Tier.CLUSTER, capacity, capacity - cached, 0, cached, 0, 0, 0, counters, used, limit, limit - used)
         return replace(usage, tiers=(*usage.tiers, row))
 
     def misbound_pages(self) -> dict[Tier, int]:

@@ -105,7 +105,8 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
             corrupt_pages=t.counters.corrupt_pages,
             read_bytes_per_second=bandwidth[t.tier].bytes_per_second if t.tier in bandwidth else 0.0,
             loading_pages=t.loading, held_pages=t.held, io_errors=t.counters.io_errors,
-            refused_pages=t.counters.refused,
+            refused_pages=t.counters.refused, stored_bytes=t.stored_bytes, capacity_bytes=t.capacity_bytes,
+            free_bytes=t.free_bytes,
         )
         for t in stats.tiers
     ]

@@ -352,7 +352,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second", "loading_pages", "held_pages", "io_errors", "refused_pages")
+    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second", "loading_pages", "held_pages", "io_errors", "refused_pages", "stored_bytes", "capacity_bytes", "free_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,9 @@ class TierStats(_message.Message):
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_pages: int
     free_pages: int
@@ -387,7 +390,10 @@ class TierStats(_message.Message):
     held_pages: int
     io_errors: int
     refused_pages: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ..., refused_pages: _Optional[int] = ...) -> None: ...
+    stored_bytes: int
+    capacity_bytes: int
+    free_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ..., refused_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceTierStats(_message.Message):
     __slots__ = ("tier", "pages", "max_pages", "guaranteed_pages", "hits", "evictions")
