@@ -328,6 +328,22 @@ def _f32_into(y: np.ndarray, dest: np.ndarray) -> None:
     np.bitwise_or(u, sign, out=out, casting="unsafe")  # the sign, at bit 18 of u, falls off
 
 
+def _min_max(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 `x`'s minimum and maximum along `axis` (kept). Along the last axis numpy's float
+    reductions are slow (NaN checks): there, on integers ordered as the floats (NaN outside)."""
+    if axis != x.ndim - 1:
+        return x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
+    i = x.view(np.int32)
+    key = np.right_shift(i, 31)
+    np.bitwise_and(key, 0x7FFFFFFF, out=key)
+    key ^= i  # negative floats: their magnitude bits flipped
+    ends = []
+    for end in (key.min(axis=axis, keepdims=True), key.max(axis=axis, keepdims=True)):
+        end ^= np.right_shift(end, 31) & 0x7FFFFFFF
+        ends.append(end.view(np.float32))
+    return ends[0], ends[1]
+
+
 class _Int4Groups(_Blocked):
     """Asymmetric 4-bit of an [L, ...] array, one (minimum, step) pair in float16 per group;
     the groups are what `axis` (the reduced axis) runs along: the minimums, the steps, then
@@ -344,31 +360,32 @@ class _Int4Groups(_Blocked):
 
     def _encode(self, a: np.ndarray, low_out: np.ndarray, step_out: np.ndarray, packed_out: np.ndarray) -> None:
         x = _to_f32(a)
-        lo, hi = x.min(axis=self.axis, keepdims=True), x.max(axis=self.axis, keepdims=True)
+        lo, hi = _min_max(x, self.axis)
         finite = bool(np.isfinite(lo).all() and np.isfinite(hi).all() and max(-lo.min(), hi.max()) < 65536)
         if not finite and a.dtype == np.float16:  # _to_f32 made a NaN or infinity finite
             x = a.astype(np.float32)
-            lo, hi = x.min(axis=self.axis, keepdims=True), x.max(axis=self.axis, keepdims=True)
+            lo, hi = _min_max(x, self.axis)
         f16 = _F16_MAX
         low = np.clip(lo, -f16, f16).astype(np.float16)
-        span = hi - low.astype(np.float32)
+        low32 = low.astype(np.float32)
+        span = hi - low32
         step = np.clip(span / 15, 0, f16).astype(np.float16)
-        short = step.astype(np.float32) * 15 < span  # rounded down: the top value would clip
-        step[short] = np.nextafter(step[short], np.float16(np.inf))
-        step[step == 0] = 1
+        bits = step.view(np.uint16)  # float16 arithmetic is scalar in numpy: its bits instead
+        bits[step.astype(np.float32) * 15 < span] += 1  # rounded down, the top value would clip: the next one up
+        bits[(bits & 0x7FFF) == 0] = 0x3C00  # a step of 0: 1
         low_out[...] = low.reshape(-1).view(np.uint8)
-        step_out[...] = step.reshape(-1).view(np.uint8)
+        step_out[...] = bits.reshape(-1).view(np.uint8)
         q = np.zeros(2 * packed_out.size, np.uint8)
         qv = q[: x.size].reshape(x.shape)
         if finite:  # round((x - low) / step) as x * (1 / step) + (0.5 - low / step), clipped, truncated
             inv = np.float32(1) / step.astype(np.float32)
             x *= inv
-            x += np.float32(0.5) - low.astype(np.float32) * inv
+            x += np.float32(0.5) - low32 * inv
             np.clip(x, 0, 15, out=x)
             np.copyto(qv, x, casting="unsafe")
         else:  # NaN or infinity in the page
             with np.errstate(invalid="ignore", over="ignore"):
-                t = np.rint((x - low.astype(np.float32)) / step.astype(np.float32))
+                t = np.rint((x - low32) / step.astype(np.float32))
             np.copyto(qv, np.clip(np.nan_to_num(t), 0, 15), casting="unsafe")
         w = q.view(np.uint16)
         np.bitwise_or(w, np.right_shift(w, 4), out=packed_out, casting="unsafe")
