@@ -71,10 +71,10 @@ def _stop_on_sigterm():
 
 
 class _BenchGroup(click.Group):
-    """`kvtier bench`, whose `e2e` command (kvtier_bench/e2e.py: torch, transformers) is imported
-    only when it is asked for: every other command works whatever state that module is in."""
+    """`kvtier bench`, whose `e2e` and `codec-quality` commands (torch, transformers) are imported
+    only when asked for: every other command works whatever state those modules are in."""
 
-    LAZY = {"e2e": ("kvtier_bench.e2e", "command")}
+    LAZY = {"e2e": ("kvtier_bench.e2e", "command"), "codec-quality": ("kvtier_bench.codec_quality", "command")}
     LAZY["codecs"] = ("kvtier_bench.codecs", "command")  # numpy only, but kept off every other command's start
 
     def list_commands(self, ctx: click.Context) -> list[str]:
