@@ -16,13 +16,15 @@ cache, the uint8 state pages of hybrid models) are left alone (`lossy_applies`).
 encoding has a fixed size per layout, so a tier can count on it. Non-finite values are not
 kept: an infinity decodes as NaN (FP8) or as a finite value (int4).
 
-Speed: decoding is on the read path of every compressed page, so it must outrun the disk.
-numpy's float16 casts are scalar (about 1 ns a value) and a gather (np.take) is no faster,
-so FP8 is converted in the integer domain: a scale that is a power of two is an addition
-to the exponent bits, and the few values that leave the normal range (zeros, FP8
-subnormals, NaN) are fixed one by one afterwards. int4 computes in float32 and narrows to
-float16/bfloat16 with integer shifts (rounding half away from zero). The encoded bytes are
-those of the first version of these codecs.
+Speed (decoding is on every compressed page's read path: it must outrun the disk): numpy's
+float16 casts are scalar (1 ns a value) and so is a gather, so FP8 is converted on integers
+(a power-of-two scale adds to the exponent bits; zeros, FP8 subnormals and NaN are fixed one
+by one after), and int4 computes in float32 and narrows by shifts (rounding half away from
+zero); a block of layers at a time, its temporaries in the core's cache; GIL released.
+
+The encoded formats are those of the first version of these codecs (FP8 encodes to the same
+bytes; int4 rounds (x - low) / step as x * (1 / step) + (0.5 - low / step), so a value at a
+tie may land on the other side).
 """
 from __future__ import annotations
 
@@ -55,10 +57,6 @@ class _Bits:
     maxfield: int  # the largest exponent field of a finite value
     dtype_max: float
 
-    @property
-    def inf(self) -> int:
-        return (self.maxfield + 1) << self.mant
-
 
 _BITS = {
     np.dtype(np.float16): _Bits(np.uint16, np.int16, 16, 10, 15, 30, _F16_MAX),
@@ -72,20 +70,10 @@ def lossy_applies(layout: PageLayout) -> bool:
     return layout.dtype in _FLOATS
 
 
-def _parts(layout: PageLayout) -> tuple[int, int, int, int, int]:
-    """The page as [layers, parts, tokens, heads, dim]: parts 2 (K, V) or 1 (MLA's latent)."""
-    return (layout.layers, layout.kv_parts, layout.block_tokens, layout.kv_heads, layout.head_dim)
-
-
 class _Blocked:
     """Works a block of layers at a time, so that a block's temporaries stay in the core's
     cache (numpy's passes over a whole page run from memory: 1.4x slower). The encoding is a
-    few sections, each in layer order, so a block's part of each is one slice."""
-
-    shape: tuple[int, ...]
-
-    def _sizes(self, layers: int) -> list[int]:
-        raise NotImplementedError
+    few sections (`_sizes`), each in layer order, so a block's part of each is one slice."""
 
     def _block_layers(self, blockable: bool) -> None:
         layers, per_layer = self.shape[0], int(np.prod(self.shape[1:]))
@@ -129,24 +117,20 @@ class _Fp8Groups(_Blocked):
 
     @staticmethod
     def _exponents(amax: np.ndarray) -> np.ndarray:
-        """The power of two per group that brings its largest magnitude under 448 (0 for a
-        group of zeros or with a non-finite value)."""
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            exps = np.ceil(np.log2(amax / FP8_MAX))
-            exps = np.clip(np.nan_to_num(exps, nan=0.0, posinf=0.0, neginf=0.0), -126, 127)
-            exps[np.isfinite(amax) & (amax * np.exp2(-exps) > FP8_MAX)] += 1  # log2 rounded down
+        """Per group, the power of two that brings its largest magnitude under 448 (or 0)."""
+        exps = np.ceil(np.log2(amax / FP8_MAX))
+        exps = np.clip(np.nan_to_num(exps, nan=0.0, posinf=0.0, neginf=0.0), -126, 127)
+        exps[np.isfinite(amax) & (amax * np.exp2(-exps) > FP8_MAX)] += 1  # log2 rounded down
         return np.clip(exps, -126, 127).astype(np.int8)
 
     def _limit(self, exps: np.ndarray) -> np.ndarray:
         """Per group, the largest FP8 value whose decoding stays finite in the page's dtype."""
-        with np.errstate(over="ignore"):
-            lim = self.bits.dtype_max * np.exp2(-exps.astype(np.float64))
+        lim = self.bits.dtype_max * np.exp2(-exps.astype(np.float64))
         finite = np.sort(_FP8_VALUES[np.isfinite(_FP8_VALUES) & (_FP8_VALUES >= 0)])
         return finite[np.clip(np.searchsorted(finite, lim, side="right") - 1, 0, None)]
 
     def _encode_values(self, x: np.ndarray, exps: np.ndarray, g: np.ndarray | None = None) -> np.ndarray:
-        """FP8 bytes of float32 values `x` of groups `g` (all of `exps`' if None), by
-        ml_dtypes: the reference the integer path follows."""
+        """FP8 bytes of float32 `x` of groups `g` (all if None) by ml_dtypes: the reference."""
         scale = np.exp2(-exps.astype(np.float32)).reshape(-1)
         lim = self._limit(exps).astype(np.float32).reshape(-1)
         if g is None:
@@ -154,11 +138,10 @@ class _Fp8Groups(_Blocked):
             scale, lim = scale.reshape(gshape), lim.reshape(gshape)
         else:
             scale, lim = scale[g], lim[g]
-        with np.errstate(over="ignore", invalid="ignore"):
-            x = x * scale
-            if (lim < FP8_MAX).any():
-                x = np.clip(x, -lim, lim)
-            return x.astype(FP8).view(np.uint8)
+        x = x * scale
+        if (lim < FP8_MAX).any():
+            x = np.clip(x, -lim, lim)
+        return x.astype(FP8).view(np.uint8)
 
     def _encode(self, a: np.ndarray, exps_out: np.ndarray, codes_out: np.ndarray) -> None:
         b = self.bits
@@ -169,7 +152,7 @@ class _Fp8Groups(_Blocked):
         exps_out[...] = exps.reshape(-1).view(np.uint8)
         codes = codes_out.reshape(a.shape)
         k = exps.astype(np.int64)[:, :, None, :, None] + (b.bias - 7)
-        if (top >= b.inf).any() or ((k + 15) > b.maxfield).any():
+        if (top >= (b.maxfield + 1) << b.mant).any() or ((k + 15) > b.maxfield).any():
             codes[...] = self._encode_values(a.astype(np.float32), exps)  # rare: slow and exact
             return
         # RNE of the magnitude to 3 mantissa bits, the exponent moved by the group's scale.
@@ -212,15 +195,13 @@ class _Fp8Groups(_Blocked):
         n = np.count_nonzero(special)
         if not n:
             return
-        with np.errstate(over="ignore"):
-            if n > special.size // 8:  # mostly zeros: a table per group is cheaper
-                lut = (np.exp2(exps.astype(np.float32))[:, None] * _FP8_VALUES[None, :]).astype(self.dtype)
-                base = (np.arange(exps.size, dtype=np.intp) * 256).reshape(gshape)
-                out[...] = np.take(lut.view(b.uint).reshape(-1), codes + base)
-                return
-            idx, g = _where(special)
-            scale = np.exp2(exps.astype(np.float32))[g]
-            out[idx] = (_FP8_VALUES[codes[idx]] * scale).astype(self.dtype).view(b.uint)
+        if n > special.size // 8:  # mostly zeros: a table per group is cheaper
+            lut = (np.exp2(exps.astype(np.float32))[:, None] * _FP8_VALUES[None, :]).astype(self.dtype)
+            base = (np.arange(exps.size, dtype=np.intp) * 256).reshape(gshape)
+            out[...] = np.take(lut.view(b.uint).reshape(-1), codes + base)
+            return
+        idx, g = _where(special)
+        out[idx] = (_FP8_VALUES[codes[idx]] * np.exp2(exps.astype(np.float32))[g]).astype(self.dtype).view(b.uint)
 
 
 class _Codec:
@@ -231,10 +212,8 @@ class _Codec:
             raise ValueError(f"{self.name} encodes float16, bfloat16 or float32 pages, not {layout.dtype}")
         self.layout = layout
         self.dtype = _FLOATS[layout.dtype]
-        self.shape = _parts(layout)
-
-    def _array(self, page: memoryview | np.ndarray) -> np.ndarray:
-        return np.frombuffer(page, self.dtype).reshape(self.shape)
+        # [layers, parts, tokens, heads, dim]: parts 2 (K, V), or 1 (MLA's latent)
+        self.shape = (layout.layers, layout.kv_parts, layout.block_tokens, layout.kv_heads, layout.head_dim)
 
     def bound(self) -> int:
         return self.nbytes
@@ -242,7 +221,7 @@ class _Codec:
     def encode(self, page: memoryview) -> Encoded:
         out = np.empty(self.nbytes, np.uint8)
         with np.errstate(all="ignore"):  # NaN and infinities are not kept (module docstring)
-            self._encode(self._array(page), out)
+            self._encode(np.frombuffer(page, self.dtype).reshape(self.shape), out)
         return Encoded(self.id, memoryview(out))
 
     def decode_into(self, data: memoryview | bytes, out: memoryview) -> bool:
@@ -259,14 +238,8 @@ class Fp8Codec(_Codec):
 
     def __init__(self, layout: PageLayout) -> None:
         super().__init__(layout)
-        self._fp8 = _Fp8Groups(self.shape, self.dtype)
-        self.nbytes = self._fp8.nbytes
-
-    def _encode(self, a: np.ndarray, out: np.ndarray) -> None:
-        self._fp8.encode(a, out)
-
-    def _decode(self, data: np.ndarray, dest: np.ndarray) -> None:
-        self._fp8.decode(data, dest)
+        fp8 = _Fp8Groups(self.shape, self.dtype)
+        self.nbytes, self._encode, self._decode = fp8.nbytes, fp8.encode, fp8.decode
 
 
 class K16V8Codec(_Codec):
@@ -312,9 +285,6 @@ def _to_f32(a: np.ndarray) -> np.ndarray:
 def _f32_into(y: np.ndarray, dest: np.ndarray) -> None:
     """float32 `y` into `dest`, rounding half away from zero. For float16, `y` comes scaled
     by 2**-112 (its exponent is float16's; float16 subnormals are float32 subnormals)."""
-    if dest.dtype == np.float32:
-        dest[...] = y
-        return
     u = y.view(np.uint32)
     out = dest.view(np.uint16)
     if dest.dtype == ml_dtypes.bfloat16:
@@ -337,11 +307,10 @@ def _min_max(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     key = np.right_shift(i, 31)
     np.bitwise_and(key, 0x7FFFFFFF, out=key)
     key ^= i  # negative floats: their magnitude bits flipped
-    ends = []
-    for end in (key.min(axis=axis, keepdims=True), key.max(axis=axis, keepdims=True)):
-        end ^= np.right_shift(end, 31) & 0x7FFFFFFF
-        ends.append(end.view(np.float32))
-    return ends[0], ends[1]
+    lo, hi = key.min(axis=axis, keepdims=True), key.max(axis=axis, keepdims=True)
+    lo ^= np.right_shift(lo, 31) & 0x7FFFFFFF
+    hi ^= np.right_shift(hi, 31) & 0x7FFFFFFF
+    return lo.view(np.float32), hi.view(np.float32)
 
 
 class _Int4Groups(_Blocked):
@@ -365,11 +334,10 @@ class _Int4Groups(_Blocked):
         if not finite and a.dtype == np.float16:  # _to_f32 made a NaN or infinity finite
             x = a.astype(np.float32)
             lo, hi = _min_max(x, self.axis)
-        f16 = _F16_MAX
-        low = np.clip(lo, -f16, f16).astype(np.float16)
+        low = np.clip(lo, -_F16_MAX, _F16_MAX).astype(np.float16)
         low32 = low.astype(np.float32)
         span = hi - low32
-        step = np.clip(span / 15, 0, f16).astype(np.float16)
+        step = np.clip(span / 15, 0, _F16_MAX).astype(np.float16)
         bits = step.view(np.uint16)  # float16 arithmetic is scalar in numpy: its bits instead
         bits[step.astype(np.float32) * 15 < span] += 1  # rounded down, the top value would clip: the next one up
         bits[(bits & 0x7FFF) == 0] = 0x3C00  # a step of 0: 1
@@ -384,8 +352,7 @@ class _Int4Groups(_Blocked):
             np.clip(x, 0, 15, out=x)
             np.copyto(qv, x, casting="unsafe")
         else:  # NaN or infinity in the page
-            with np.errstate(invalid="ignore", over="ignore"):
-                t = np.rint((x - low32) / step.astype(np.float32))
+            t = np.rint((x - low32) / step.astype(np.float32))
             np.copyto(qv, np.clip(np.nan_to_num(t), 0, 15), casting="unsafe")
         w = q.view(np.uint16)
         np.bitwise_or(w, np.right_shift(w, 4), out=packed_out, casting="unsafe")
@@ -404,13 +371,10 @@ class _Int4Groups(_Blocked):
                 return
             low *= np.float32(2.0**-112)
             step *= np.float32(2.0**-112)
-        if dest.dtype == np.float32:
-            np.multiply(q, step, out=dest)
-            dest += low
-            return
-        y = np.multiply(q, step, dtype=np.float32)
+        y = np.multiply(q, step, out=dest if dest.dtype == np.float32 else None, dtype=np.float32)
         y += low
-        _f32_into(y, dest)
+        if y is not dest:
+            _f32_into(y, dest)
 
 
 class Int4Codec(_Codec):
@@ -420,9 +384,8 @@ class Int4Codec(_Codec):
     def __init__(self, layout: PageLayout) -> None:
         super().__init__(layout)
         layers, parts, tokens, heads, dim = self.shape
-        part = (layers, tokens, heads, dim)
-        self._keys = _Int4Groups(part, 1, self.dtype)  # per channel: over tokens
-        self._values = _Int4Groups(part, 3, self.dtype) if parts == 2 else None  # per token: over channels
+        self._keys = _Int4Groups((layers, tokens, heads, dim), 1, self.dtype)  # per channel: over tokens
+        self._values = _Int4Groups(self._keys.shape, 3, self.dtype) if parts == 2 else None  # per token: over channels
         self.nbytes = self._keys.nbytes + (self._values.nbytes if self._values else 0)
 
     def _encode(self, a: np.ndarray, out: np.ndarray) -> None:
