@@ -18,7 +18,7 @@ from kvtier_bench import node as node_bench
 from kvtier_bench import procs as procs_bench
 from kvtier_bench import trace as trace_bench
 from kvtier_bench.harness import default_out, format_size, progress_lines, stderr_progress
-from kvtier_bench.internals import FsyncPolicy, parse_size
+from kvtier_bench.internals import FsyncPolicy, parse_layout, parse_size
 from kvtier_bench.peers import bench as peers_bench
 from kvtier_bench.rpc import render_all, run_rpc
 from kvtier_bench.tiers import DEFAULT_BYTES, DEFAULT_PAGE_SIZES, DEFAULT_REPS, QUICK_BYTES, format_table, run_tiers
@@ -259,13 +259,36 @@ def peers_command(pages: int | None, page_sizes: tuple[int, ...], systems: tuple
               help="Also write a PNG plot here (with several shapes, one per shape: trace.png -> trace-zipf.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables: one object per shape, one a line.")
 @click.option("--quick", is_flag=True, help="Three capacity points.")
+@click.option("--codec", "codecs", type=click.Choice([*trace_bench.CODEC_NAMES, "all"]), multiple=True,
+              help="Print the codec table instead: the Mooncake trace, host 3M tokens (or --capacity), disks of "
+                   "30M, 10M and 3M raw-equivalent tokens (or --disk-tokens) holding each codec's measured ratio "
+                   "more pages; repeatable; all for every codec (identity, the reference, always runs).")
+@click.option("--disk-tokens", type=_Size(), multiple=True, metavar="TOKENS",
+              help="The codec table's disks in raw-equivalent tokens ('30M'); repeatable.")
+@click.option("--layout", "layout_text", default="", metavar="FIELDS",
+              help="The codec table's page layout for measuring ratios, e.g. 'layers=32,kv_heads=8,head_dim=128,"
+                   "block_tokens=16,dtype=float16' (the default; fields left out keep it).")
 def trace_command(trace_path: str, shape_names: tuple[str, ...], policies: tuple[str, ...], admissions: tuple[str, ...],
                   capacities: tuple[int, ...], disk_factor: int, scale: float, seed: int, workers: int,
-                  plot_path: str | None, as_json: bool, quick: bool) -> None:
+                  plot_path: str | None, as_json: bool, quick: bool, codecs: tuple[str, ...],
+                  disk_tokens: tuple[int, ...], layout_text: str) -> None:
     """Block hit rate against capacity for each policy, one tier (through the policy alone)
     and host + a 10x disk tier (through the real BlockStore), with its ratio to lru's, the
     disk writes per disk hit and the policy's speed; the infinite-capacity hit rate and
-    offline Belady (one tier of the host's pages, and of host + disk) for reference."""
+    offline Belady (one tier of the host's pages, and of host + disk) for reference.
+    With --codec: what each disk codec buys (hit rate, disk reads per hit) against raw."""
+    if codecs:
+        try:
+            result = trace_bench.run_codecs(
+                trace_path, codecs=trace_bench.CODEC_NAMES if "all" in codecs else codecs,
+                disk_tokens=disk_tokens or trace_bench.CODEC_DISK_TOKENS,
+                host_pages=capacities[0] if capacities else trace_bench.CODEC_HOST_PAGES,
+                policy=policies[0] if policies else trace_bench.REFERENCE, layout=parse_layout(layout_text),
+                workers=workers, progress=progress_lines(as_json))
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(json.dumps(result.as_dict()) if as_json else trace_bench.format_codec_table(result))
+        return
     names = trace_bench.SHAPES if "all" in shape_names else shape_names or (trace_bench.MOONCAKE,)
     try:
         results = trace_bench.run_shapes(names, trace=trace_path, capacities=capacities or None, quick=quick,

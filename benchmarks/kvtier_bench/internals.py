@@ -21,12 +21,16 @@ from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.policy import PolicyName
 from kvtier.server.config import default_tiers
 from kvtier.server.pools import Pool
+from kvtier.replay.codec import CODECS, DEFAULT_LAYOUT, CodecRatio, describe, measure_ratio, parse_layout
 from kvtier.replay.mooncake import TRACE_BLOCK_TOKENS, halfway, read_timed_trace, read_trace, replay
 from kvtier.replay.policy import replay_policy
 from kvtier.units import parse_size
 
 __all__ = [
+    "CODECS",
+    "DEFAULT_LAYOUT",
     "TRACE_BLOCK_TOKENS",
+    "CodecRatio",
     "ChildDaemon",
     "FsyncPolicy",
     "PolicyName",
@@ -34,6 +38,9 @@ __all__ = [
     "WriteGrant",
     "bench_pool",
     "default_tiers",
+    "describe",
+    "measure_ratio",
+    "parse_layout",
     "open_direct",
     "parse_size",
     "halfway",

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from kvtier_bench import shapes
 from kvtier_bench.harness import progress_bar, utc_now
-from kvtier_bench.internals import TRACE_BLOCK_TOKENS, PolicyName, halfway, read_timed_trace, replay, replay_policy
+from kvtier_bench.internals import (CODECS, DEFAULT_LAYOUT, TRACE_BLOCK_TOKENS, CodecRatio, PolicyName, describe, halfway,
+                                   measure_ratio, read_timed_trace, replay, replay_policy)
 
 #: Where every developer machine and CI have the trace (never copied into the repository).
 DEFAULT_TRACE = Path(os.environ.get("KVTIER_MOONCAKE_TRACE", "/work/shared/data/mooncake/conversation_trace.jsonl"))
@@ -425,6 +426,142 @@ def run_trace(trace: str | os.PathLike = DEFAULT_TRACE, *, shape: str = MOONCAKE
     """One shape's figures (`kvtier bench all`'s trace section); see run_shapes."""
     return run_shapes((shape,), trace=trace, **kwargs)[0]
 
+
+
+# -- what a disk codec buys ---------------------------------------------------------------
+#: The codec table's host tier (3M tokens) and disks, in raw-equivalent tokens: the bytes of
+#: that many tokens' raw pages, which hold ratio times as many pages under a codec.
+CODEC_HOST_PAGES = 5859
+CODEC_DISK_TOKENS = (30_000_000, 10_000_000, 3_000_000)
+CODEC_NAMES = tuple(CODECS)
+IDENTITY = "identity"
+
+
+@dataclass(frozen=True)
+class CodecLine:
+    """One codec on one disk: the replay's line (host + disk through the real BlockStore)."""
+
+    raw_disk_pages: int
+    ratio: CodecRatio
+    line: Line
+
+    @property
+    def disk_pages(self) -> int:
+        return self.ratio.pages(self.raw_disk_pages)
+
+    @property
+    def reads_per_hit(self) -> float:
+        """Pages read from disk per block hit (each disk hit is one page read)."""
+        return self.line.disk_rate / self.line.rate if self.line.rate else 0.0
+
+
+@dataclass(frozen=True)
+class CodecResult:
+    date: str
+    trace: str
+    requests: int
+    blocks: int
+    infinite: float
+    host_pages: int
+    policy: str
+    layout: str
+    lines: tuple[CodecLine, ...]
+    seconds: float
+
+    def reference(self, line: CodecLine) -> CodecLine | None:
+        """identity's line on the same disk."""
+        return next((x for x in self.lines if x.ratio.codec == IDENTITY and x.raw_disk_pages == line.raw_disk_pages), None)
+
+    def versus(self, line: CodecLine) -> tuple[float | None, float | None]:
+        """(hit rate, disk reads per hit) over identity's on the same disk."""
+        ref = self.reference(line)
+        if ref is None:
+            return None, None
+        return (line.line.rate / ref.line.rate if ref.line.rate else None,
+                line.reads_per_hit / ref.reads_per_hit if ref.reads_per_hit else None)
+
+    def as_dict(self) -> dict:
+        return {"date": self.date, "trace": self.trace, "requests": self.requests, "blocks": self.blocks,
+                "block_tokens": TRACE_BLOCK_TOKENS, "infinite": self.infinite, "host_pages": self.host_pages,
+                "policy": self.policy, "layout": self.layout, "seconds": self.seconds,
+                "lines": [{**x.ratio.as_dict(), "raw_disk_pages": x.raw_disk_pages, "disk_pages": x.disk_pages,
+                           "raw_disk_tokens": x.raw_disk_pages * TRACE_BLOCK_TOKENS, "hit_rate": x.line.rate,
+                           "host_hit_rate": x.line.host_rate, "disk_hit_rate": x.line.disk_rate,
+                           "disk_reads_per_hit": x.reads_per_hit, "hit_rate_x_identity": self.versus(x)[0],
+                           "disk_reads_per_hit_x_identity": self.versus(x)[1]} for x in self.lines]}
+
+
+def run_codecs(trace: str | os.PathLike = DEFAULT_TRACE, *, codecs: Sequence[str] = CODEC_NAMES,
+               disk_tokens: Sequence[int] = CODEC_DISK_TOKENS, host_pages: int = CODEC_HOST_PAGES,
+               policy: str = REFERENCE, layout=DEFAULT_LAYOUT, limit: int | None = None, workers: int | None = None,
+               progress: Callable[[str], None] = lambda message: None) -> CodecResult:
+    """The Mooncake trace with host `host_pages` and each disk of `disk_tokens` raw-equivalent
+    tokens, once per codec with the disk scaled by the codec's ratio (measured on synthetic
+    pages of `layout`, kvtier.replay.codec); identity is always replayed (the reference)."""
+    start = time.perf_counter()
+    source = _sources((MOONCAKE,), str(trace), limit, 0, 1.0)[0]
+    ratios = [measure_ratio(c, layout) for c in dict.fromkeys([IDENTITY, *codecs])]
+    for r in ratios:
+        progress(f"codec {r.codec}: ratio {r.ratio:.3f} ({r.source})")
+    raw = [round(t / TRACE_BLOCK_TOKENS) for t in disk_tokens]
+    if host_pages <= 0 or any(d <= 0 for d in raw):
+        raise ValueError(f"the host and every disk need at least one {TRACE_BLOCK_TOKENS}-token page")
+    wanted = [(d, r) for d in raw for r in ratios]
+    jobs = list(dict.fromkeys(_Job(source, host_pages, r.pages(d), PolicyName(policy).value, None) for d, r in wanted))
+    done: dict[int, Line] = {}
+    with progress_bar(progress, "codec replays", len(jobs)) as advance:
+        for job, line in _run_all(jobs, workers or max(1, min(2, os.cpu_count() or 1))):
+            done[job.disk_pages] = line
+            advance()
+            progress(f"codecs: disk {job.disk_pages:,} pages: {line.rate:.4f}")
+    counted = _Counted.of(load(source))
+    return CodecResult(date=utc_now(), trace=source.description, requests=counted.requests, blocks=counted.blocks,
+                       infinite=counted.infinite, host_pages=host_pages, policy=PolicyName(policy).value,
+                       layout=describe(layout), lines=tuple(CodecLine(d, r, done[r.pages(d)]) for d, r in wanted),
+                       seconds=time.perf_counter() - start)
+
+
+CODEC_COLUMNS = ("disk, raw-eq. tokens", "codec", "ratio", "disk pages", "hit rate", "x identity", "from disk",
+                 "disk reads/hit", "x identity", "disk bytes/hit")
+
+
+def _codec_rows(result: CodecResult) -> list[list[str]]:
+    rows = []
+    for x in result.lines:
+        rate, reads = result.versus(x)
+        rows.append([f"{x.raw_disk_pages:,} ({_tokens(x.raw_disk_pages)})", x.ratio.codec, f"{x.ratio.ratio:.3f}",
+                     f"{x.disk_pages:,}", _number(x.line.rate), _number(rate, 3), _number(x.line.disk_rate),
+                     _number(x.reads_per_hit, 3), _number(reads, 3), _number(x.reads_per_hit / x.ratio.ratio, 3)])
+    return rows
+
+
+def _codec_about(result: CodecResult) -> list[str]:
+    by_source: dict[str, dict[str, float]] = {}
+    for x in result.lines:
+        if x.ratio.codec != IDENTITY:
+            by_source.setdefault(x.ratio.source, {})[x.ratio.codec] = x.ratio.ratio
+    sources = "; ".join(", ".join(f"{c} {r:.3f}" for c, r in ratios.items()) + f" ({source})"
+                        for source, ratios in by_source.items())
+    return [(f"{result.requests:,} requests, {result.blocks:,} blocks of {TRACE_BLOCK_TOKENS} tokens; host "
+             f"{result.host_pages:,} pages ({_tokens(result.host_pages)} tokens, never encoded); policy "
+             f"{result.policy}; infinite capacity: {result.infinite:.4f}."),
+            ("A disk of N raw-equivalent tokens has the bytes of N tokens' raw pages and holds ratio times as many "
+             "under a codec. disk reads/hit: pages read from disk per block hit; disk bytes/hit: the bytes those "
+             "reads move, in raw pages (reads/hit / ratio); x identity: over identity's on the same disk."),
+            f"Ratios: {sources or '-'}."]
+
+
+def format_codec_table(result: CodecResult) -> str:
+    rows = [list(CODEC_COLUMNS), *_codec_rows(result)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(CODEC_COLUMNS))]
+    lines = [f"kvtier bench trace --codec, {result.date}: {result.trace}", ""]
+    lines += ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return "\n".join([*lines, "", *_codec_about(result)])
+
+
+def format_codec_markdown(result: CodecResult) -> str:
+    lines = ["| " + " | ".join(CODEC_COLUMNS) + " |", "|---|---|" + "---:|" * (len(CODEC_COLUMNS) - 2)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in _codec_rows(result)), "", *_codec_about(result)])
 
 # -- output -------------------------------------------------------------------------------
 def _tokens(pages: int) -> str:
