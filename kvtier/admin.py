@@ -294,10 +294,10 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
     return rows
 
 
-_TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "raw", "stored", "ratio",
-                 "hit rate", "evicted", "promoted", "demoted", "refused", "moved in", "corrupt", "io errors", "read/s"]
-#: Where a narrow terminal splits the tier table first: what the tier holds | what moved.
-_TIER_SECTIONS = (10, 11)
+_TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
+                 "demoted", "refused", "moved in", "corrupt", "io errors", "read/s", "raw", "stored", "ratio"]
+#: Where a narrow terminal splits the tier table first: what the tier holds | what moved | its bytes.
+_TIER_SECTIONS = (7, 8)
 
 
 def _stored_columns(t: pb.TierStats, page_bytes: int) -> tuple[str, str, str]:
@@ -317,10 +317,9 @@ def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
         hit_rate = t.hits / pool.lookup_blocks if pool.lookup_blocks else 0.0
         rows.append((
             _TIER_NAMES.get(t.tier, str(t.tier)), str(t.capacity_pages), str(used), str(t.writing_pages + t.pinned_pages),
-            str(t.cached_pages), str(t.loading_pages), str(t.held_pages), *_stored_columns(t, pool.page_bytes),
-            f"{hit_rate:.3f}", str(t.evictions),
+            str(t.cached_pages), str(t.loading_pages), str(t.held_pages), f"{hit_rate:.3f}", str(t.evictions),
             str(t.promotions), str(t.demotions), str(t.refused_pages), _human_bytes(t.bytes_in), str(t.corrupt_pages), str(t.io_errors),
-            _human_bytes(int(t.read_bytes_per_second)),
+            _human_bytes(int(t.read_bytes_per_second)), *_stored_columns(t, pool.page_bytes),
         ))
     return rows
 

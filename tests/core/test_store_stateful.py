@@ -34,14 +34,17 @@ from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgum
 from kvtier_client.layout import PageLayout
 from kvtier_client.tiers import Tier
 
+from kvtier.codecs import CodecChoice
 from kvtier.core import BlockState, MissReason, Quota
+from kvtier.core.chunks import chunks_in
 from kvtier.core.invariants import check_guarantees_kept, check_quotas_kept
+from kvtier.mechanism.directio import aligned_buffer
 from kvtier.server.config import default_tiers
 from kvtier.server.pools import Pool
 
 from store_helpers import check, read_page, snapshot, write_page
 
-LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16)  # 3072-byte pages
+LAYOUT = PageLayout(layers=4, kv_heads=1, head_dim=64, block_tokens=16)  # 16 KiB pages: 4 disk chunks each
 HOST_PAGES, DISK_PAGES = 3, 5
 NAMESPACES = ("A", "B", "C")
 SESSIONS = ("s1", "s2")
@@ -76,8 +79,8 @@ class StoreMachine(RuleBasedStateMachine):
     # -- set-up and teardown --------------------------------------------------
     @initialize(policy=st.sampled_from(["lru", "prefix", "frecency"]), write_through=st.booleans(),
                 quotas=st.dictionaries(st.sampled_from(NAMESPACES), quota_st, max_size=len(NAMESPACES)),
-                admission=st.sampled_from(["all", "reuse"]))
-    def start(self, policy, write_through, quotas, admission):
+                admission=st.sampled_from(["all", "reuse"]), codec=st.sampled_from(["identity", "zstd"]))
+    def start(self, policy, write_through, quotas, admission, codec):
         self.config = default_tiers(
             host_size=HOST_PAGES * LAYOUT.slot_bytes,
             disk_size=DISK_PAGES * LAYOUT.slot_bytes,
@@ -90,7 +93,8 @@ class StoreMachine(RuleBasedStateMachine):
             fsync="never",
             arena_prefix=self.prefix,
         )
-        self.pool = Pool(LAYOUT, self.config)
+        self.codecs = CodecChoice(codec)  # zstd: pages of 1 to 4 chunks, mixed on one disk
+        self.pool = Pool(LAYOUT, self.config, codecs=self.codecs)
         self.quotas = quotas
         self.store.set_quotas(quotas)
 
@@ -109,7 +113,11 @@ class StoreMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------
     def fresh_bytes(self, namespace: str, key: bytes) -> bytes:
         seed = hashlib.sha256(b"%s|%s|%d" % (namespace.encode(), key, next(self.version))).digest()
-        data = np.random.default_rng(int.from_bytes(seed[:8], "little")).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8).tobytes()
+        rng = np.random.default_rng(int.from_bytes(seed[:8], "little"))
+        # Random bytes after the first FP, or a page that compresses to a fraction of its size.
+        values = int(rng.choice([256, 16, 2]))
+        data = (rng.integers(0, 256, FP, dtype=np.uint8).tobytes()
+                + rng.integers(0, values, LAYOUT.page_bytes - FP, dtype=np.uint8).tobytes())
         self.owner_of_fp[data[:FP]] = namespace
         return data
 
@@ -393,13 +401,14 @@ class StoreMachine(RuleBasedStateMachine):
             self.end(lease_id)
 
     @precondition(lambda self: self.pool is not None and any(True for _ in self.pool.disk.records()))
-    @rule(data=st.data(), offset=st.integers(FP, LAYOUT.page_bytes - 1))
+    @rule(data=st.data(), offset=st.integers(0, LAYOUT.page_bytes - 1))
     def rot_disk_page(self, data, offset):
         record = data.draw(st.sampled_from(sorted(self.pool.disk.records(), key=lambda r: r.seq)))
         if (record.namespace, record.key, record.seq) in self.corrupt:
             return  # already rotten: flipping the same byte again could heal it
+        at, chunk = offset % record.stored, self.pool.disk.chunk_bytes  # a byte of what is stored
         with open(self.pool.disk.slab_path, "r+b") as f:
-            f.seek(record.extent[0] * self.pool.disk.chunk_bytes + offset)
+            f.seek(chunks_in(record.extent)[at // chunk] * chunk + at % chunk)
             byte = f.read(1)[0]
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte ^ 0x55]))
@@ -412,7 +421,7 @@ class StoreMachine(RuleBasedStateMachine):
         before = set(self.store.blocks)
         self.pool.close()
         assert not [n for n in os.listdir(SHM_DIR) if self.prefix in n]
-        self.pool = Pool(LAYOUT, self.config)
+        self.pool = Pool(LAYOUT, self.config, codecs=self.codecs)
         self.store.set_quotas(self.quotas)
         after = set(self.store.blocks)
         assert after <= before
@@ -462,15 +471,20 @@ class StoreMachine(RuleBasedStateMachine):
         if self.pool is None:
             return
         self.settle()
-        with open(self.pool.disk.slab_path, "rb") as slab:
+        buf = aligned_buffer(LAYOUT.slot_bytes)
+        try:
             for ref, block in self.store.blocks.items():
                 host = block.copies.get(Tier.HOST)
                 if host is not None:
                     assert read_page(self.pool, host.slot) == self.content[ref], f"host copy of {ref} changed"
                 disk = block.copies.get(Tier.DISK)
                 if disk is not None and (ref[0], ref[1], disk.record.seq) not in self.corrupt:
-                    slab.seek(disk.record.extent[0] * self.pool.disk.chunk_bytes)
-                    assert slab.read(LAYOUT.page_bytes) == self.content[ref], f"disk copy of {ref} changed"
+                    view = memoryview(buf)
+                    assert self.pool.disk.read_page(disk.record, view), f"disk copy of {ref} fails its checks"
+                    assert view[: LAYOUT.page_bytes] == self.content[ref], f"disk copy of {ref} changed"
+                    view.release()
+        finally:
+            buf.close()
 
 
 StoreMachine.TestCase.settings = settings(

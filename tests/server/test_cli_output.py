@@ -22,7 +22,7 @@ PIPE = {"TTY_COMPATIBLE": "0", "COLUMNS": ""}
 #: What a terminal looks like to rich: forced, 160 columns.
 TERMINAL = {"TTY_COMPATIBLE": "1", "COLUMNS": "160", "NO_COLOR": ""}
 TIER_HEADER = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit", "rate", "evicted", "promoted",
-               "demoted", "refused", "moved", "in", "corrupt", "io", "errors", "read/s"]
+               "demoted", "refused", "moved", "in", "corrupt", "io", "errors", "read/s", "raw", "stored", "ratio"]
 
 
 @pytest.fixture(scope="module")
