@@ -76,6 +76,7 @@ class _BenchGroup(click.Group):
 
     LAZY = {"e2e": ("kvtier_bench.e2e", "command"), "codec-quality": ("kvtier_bench.codec_quality", "command")}
     LAZY["codecs"] = ("kvtier_bench.codecs", "command")  # numpy only, but kept off every other command's start
+    LAZY["codec-io"] = ("kvtier_bench.codec_io", "command")
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
