@@ -397,5 +397,6 @@ def command(codecs: tuple[str, ...], parts: tuple[str, ...], layout_text: str, s
         raise click.ClickException(str(exc)) from None
     if markdown_path:
         with open(markdown_path, "w") as f:
-            f.write(format_markdown(result, "kvtier bench codec-io " + " ".join(sys.argv[2:])))
+            args = sys.argv[sys.argv.index("codec-io") + 1:] if "codec-io" in sys.argv else []
+            f.write(format_markdown(result, " ".join(["kvtier bench codec-io", *args])))
     click.echo(json.dumps(result.as_dict()) if as_json else format_table(result))
