@@ -48,14 +48,14 @@ def test_a_disk_tier_of_a_newer_kvtier_is_refused_at_start(daemons, connect):
     blocks = keys("disk", 8)
     _commit(first, connect, blocks)
     assert first.stop() == 0  # a clean stop copies the host pages to disk
-    directory = _set_index_format(first.cache_dir, b"3")  # as a newer kvtier leaves it
+    directory = _set_index_format(first.cache_dir, b"4")  # as a newer kvtier leaves it
 
     line = assert_refused(run_kvtier(*first.args[len(KVTIER):]), "upgrade kvtier")
-    assert line == (f"kvtier serve: disk tier at {directory} holds disk index format 3, written by a newer kvtier; "
-                    "this kvtier reads disk index formats up to 2: upgrade kvtier, or move that directory away (or "
+    assert line == (f"kvtier serve: disk tier at {directory} holds disk index format 4, written by a newer kvtier; "
+                    "this kvtier reads disk index formats up to 3: upgrade kvtier, or move that directory away (or "
                     "start with an empty --cache-dir) for an empty disk tier")
 
-    _set_index_format(first.cache_dir, b"2")  # the newer kvtier's pages are all still there
+    _set_index_format(first.cache_dir, b"3")  # the newer kvtier's pages are all still there
     again = daemons.start("--warm-restart-window", "0", name="d")
     assert _found(again, connect, blocks) == len(blocks)
 
