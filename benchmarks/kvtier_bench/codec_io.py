@@ -244,17 +244,15 @@ def run_disk_part(layout: PageLayout, codecs: Sequence[str], root: str, samples:
             finally:
                 if rep is not base:
                     rep.close()
-                    shutil.rmtree(_workdir(root, name, make=False), ignore_errors=True)
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     finally:
         base.close()
     return rows, pages, direct
 
 
-def _workdir(root: str, name: str, make: bool = True) -> str:
-    path = os.path.join(root, name)
-    if make:
-        os.makedirs(path)
-    return path
+def _workdir(root: str, name: str) -> str:
+    os.makedirs(os.path.join(root, name), exist_ok=True)
+    return os.path.join(root, name)
 
 
 # -- the run -------------------------------------------------------------------------------
