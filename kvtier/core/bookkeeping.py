@@ -42,6 +42,8 @@ class BookkeepingDisk:
     """`page_bytes` is what stored records say they hold. Loads land at once, inside the
     request that starts them."""
 
+    space = None  # a chunk per page: nothing is encoded
+
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
 

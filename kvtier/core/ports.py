@@ -38,6 +38,8 @@ from typing import Protocol
 from kvtier_client.ids import SessionId, Slot
 from kvtier_client.tiers import Tier
 
+from kvtier.core.chunks import DiskSpace
+
 
 @dataclass(frozen=True)
 class PageRecord:
@@ -143,6 +145,9 @@ class PageSource(Protocol):
 
 
 class DiskPort(PageSource, Protocol):
+    #: The disk's chunks as the core counts them (kvtier.core.chunks); None: a chunk per page.
+    space: DiskSpace | None
+
     def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
         """Copy host slots to the disk slots named in the records; return the stored records."""
 

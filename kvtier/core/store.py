@@ -107,8 +107,8 @@ class BlockStore:
     `policy` makes one eviction policy object per tier from its page count (a policy class will do).
     `admission` decides which host pages leaving host are written to disk (default: all;
     pages committed write-through and the stop-time copy are always written).
-    `recovered` is the disk tier's persisted index, filed as cached disk pages
-    (`disk_space`: its chunks, kvtier.core.chunks; default one chunk per page);
+    `recovered` is the disk tier's persisted index, filed as cached disk pages (in the
+    chunks of its port's `space`, kvtier.core.chunks);
     `recovered_host` the host pages adopted from a crashed daemon's arena (`host_reused`:
     that arena's other slots may hold anyone's bytes). `history_size`: blocks that left
     the index remembered (all namespaces together), to explain misses. `ports` reach the tiers'
@@ -133,7 +133,6 @@ class BlockStore:
         host_reused: bool = False,
         history_size: int = DEFAULT_HISTORY_SIZE,
         cluster_write: ClusterWrite = ClusterWrite.OFF,
-        disk_space: DiskSpace | None = None,
     ) -> None:
         if host_pages <= 0:
             raise ValueError("the host tier needs at least one page: it is where engines read and write pages")
@@ -154,7 +153,7 @@ class BlockStore:
             tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy(device_pages)))
         records = list(recovered) if disk_pages > 0 else []
         if disk_pages > 0:
-            space = disk_space or DiskSpace(disk_pages, layout.slot_bytes, lambda _: 1)  # a chunk a page
+            space = ports.disk.space or DiskSpace(disk_pages, layout.slot_bytes, lambda _: 1)  # a chunk a page
             tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy(disk_pages),
                                    chunks=ChunkAllocator(space.chunks, [r.extent for r in records]), space=space))
         self._lock = threading.RLock()

@@ -7,8 +7,9 @@
             ClusterReader's workers, writes through the ClusterWriter
     device  DevicePages: promotions on the copy engine (asynchronous), demotions synchronous
 
-A lower tier's codec (how a page's bytes are encoded there; identity today) lives behind
-its port: the disk tier seals what it writes, the cluster tier its values.
+A lower tier's codec (kvtier.codecs: how a page's bytes are encoded there) lives behind its
+port: the disk tier encodes and seals what it writes, the cluster tier its values; the disk
+port also gives the core the slab's chunks (`space`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import replace
 
 from kvtier_client.ids import SessionId, Slot
 
+from kvtier.core.chunks import DiskSpace
 from kvtier.core.ports import LoadJob, Mechanism, PageRecord
 from kvtier.mechanism.cluster import ClusterTier, ClusterWriter
 from kvtier.mechanism.device import CopyEngine, Transfer
@@ -49,6 +51,10 @@ class DiskPages(_Source):
         super().__init__(reader)
         self.host = host
         self.disk = disk
+
+    @property
+    def space(self) -> DiskSpace:
+        return self.disk.space
 
     def store(self, moves: Sequence[tuple[Slot, PageRecord]]) -> list[PageRecord]:
         """Host pages to disk, each with the checksum it was published with (hashed once)."""

@@ -150,7 +150,6 @@ class Pool:
                 recovered=self.disk.records() if self.disk else (),
                 recovered_host=self.host.adopted,
                 history_size=config.history_size,
-                disk_space=self.disk.space if self.disk else None,
             )
             if self.disk is not None:
                 # Writes write-through pages and keeps a reserve of clean host pages, so a
