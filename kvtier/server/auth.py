@@ -86,7 +86,7 @@ def _quota(where: str, namespace: str, entry: object) -> Quota:
         raise ConfigError(f"{where} must be a table of page counts, e.g. max_host_pages = 4096")
     for key, value in entry.items():
         if key not in QUOTA_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r}; use codec or {', '.join(QUOTA_KEYS)}")
+            raise ConfigError(f"{where}: unknown key {key!r}; use {', '.join(QUOTA_KEYS)} or codec")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{where}: {key} must be a whole number of pages, 0 or more (0 = none); got {value!r}")
     quota = Quota(**entry)

@@ -61,6 +61,7 @@ def test_quotas_without_tokens_for_auth_none(tmp_path):
     ("namespaces = 3\n", "namespaces holds one table per namespace"),
     ("[namespaces]\na = 3\n", 'namespaces."a"] must be a table of page counts'),
     ("[quotas.a]\nmax_host_pages = 1\n", "unknown table or key 'quotas'"),
+    ('[namespaces.a]\ncodec = "fp9"\n', "unknown codec 'fp9'; use identity, zstd, k16v8, fp8, int4"),
 ])
 def test_bad_quotas_are_refused_with_the_file_and_key(tmp_path, body, message):
     path = tmp_path / "t.toml"
@@ -68,6 +69,15 @@ def test_bad_quotas_are_refused_with_the_file_and_key(tmp_path, body, message):
     with pytest.raises(ConfigError) as info:
         load_access_table(str(path), need_tokens=True)
     assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_a_namespace_codec_is_read_apart_from_its_quota(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(f'[namespaces.a]\ncodec = "fp8"\nmax_host_pages = 2\n[namespaces.b]\ncodec = "zstd"\n'
+                    f'[tokens]\n"{TOKEN_A}" = ["a"]\n')
+    table = load_access_table(str(path), need_tokens=True)
+    assert table.codecs == {"a": "fp8", "b": "zstd"}
+    assert table.quotas == {"a": Quota(max_host_pages=2), "b": Quota()}
 
 
 def test_reload_swaps_the_table_or_keeps_it(tmp_path):
