@@ -339,7 +339,8 @@ class _Int4Groups(_Blocked):
         span = hi - low32
         step = np.clip(span / 15, 0, _F16_MAX).astype(np.float16)
         bits = step.view(np.uint16)  # float16 arithmetic is scalar in numpy: its bits instead
-        bits[step.astype(np.float32) * 15 < span] += 1  # rounded down, the top value would clip: the next one up
+        # Rounded down, the top value would clip: the next one up (never past float16's largest).
+        bits[(step.astype(np.float32) * 15 < span) & ((bits & 0x7FFF) < 0x7BFF)] += 1
         bits[(bits & 0x7FFF) == 0] = 0x3C00  # a step of 0: 1
         low_out[...] = low.reshape(-1).view(np.uint8)
         step_out[...] = bits.reshape(-1).view(np.uint8)
