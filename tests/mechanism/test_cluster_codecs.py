@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from kvtier_client.layout import PageLayout
 
-from kvtier.codecs import codec_named
-from kvtier.mechanism.cluster.values import HEADER, UNHASHED, Verdict, decode_into, header, layout_hash
+from kvtier.codecs import CodecChoice, codec_named
+from kvtier.mechanism.cluster import ClusterTier, FaultKind, open_backend
+from kvtier.mechanism.cluster.values import HEADER, UNHASHED, Verdict, cluster_key, decode_into, header, layout_hash
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
 LAYOUT = PageLayout(2, 2, 64, 16, "float16")
@@ -75,3 +76,41 @@ def test_an_encoding_cut_short_is_corrupt():
     head, stored = value("int4", src)
     out = memoryview(bytearray(LAYOUT.page_bytes))
     assert decode_into(HASH, LAYOUT, WHO, Sealer(), head, stored[:-1], out)[0] is Verdict.CORRUPT
+
+
+# -- through a real Redis Cluster ---------------------------------------------------------
+@pytest.fixture
+def cluster_tier(redis_cluster):
+    tier = ClusterTier(open_backend(redis_cluster.url, timeout=5.0), layout=LAYOUT, codecs=CodecChoice("fp8"))
+    yield tier
+    tier.close()
+
+
+def read_all(tier: ClusterTier, keys: list[bytes]) -> tuple[list[int | None], list[bytes]]:
+    views = [memoryview(bytearray(LAYOUT.page_bytes)) for _ in keys]
+    return tier.read_checked("ns", keys, views), [bytes(v) for v in views]
+
+
+def test_a_cluster_holds_pages_of_two_codecs_after_a_change_and_leaves_an_unknown_one(redis_cluster, cluster_tier):
+    first, second = [b"f0", b"f1"], [b"i0", b"i1"]
+    pages = {k: bytes(page(10 + i)) for i, k in enumerate(first + second)}
+    assert cluster_tier.write("ns", [(k, memoryview(pages[k])) for k in first]) == 2
+    stats = cluster_tier.stats()
+    assert stats.bytes_written == 2 * LAYOUT.page_bytes and 1.9 < stats.bytes_written / stats.stored_bytes_written <= 2
+    assert cluster_tier.value_bytes < LAYOUT.page_bytes  # the cluster row of `kvtier stats` counts encoded values
+    cluster_tier.codecs = CodecChoice("identity")  # a reload changed the namespace's codec
+    assert cluster_tier.write("ns", [(k, memoryview(pages[k])) for k in second]) == 2
+    sums, got = read_all(cluster_tier, first + second)
+    assert sums[:2] == [UNHASHED, UNHASHED] and all(isinstance(c, int) and c >= 0 for c in sums[2:])
+    assert got[2:] == [pages[k] for k in second]  # identity: every byte
+    for k, data in zip(first, got[:2]):
+        want = np.frombuffer(pages[k], np.float16).astype(np.float32)
+        assert np.all(np.abs(np.frombuffer(data, np.float16).astype(np.float32) - want) <= np.abs(want) / 16 + 2.0**-9)
+    store = redis_cluster.client()
+    newer = cluster_key("kvtier", LAYOUT.layout_id, "ns", b"f1")
+    head = bytearray(store.hget(newer, b"h"))
+    head[6] = 99  # a codec of a newer kvtier
+    store.hset(newer, b"h", bytes(head))
+    sums, _ = read_all(cluster_tier, first)
+    assert sums[0] == UNHASHED and sums[1] is None  # a miss...
+    assert store.exists(newer) and cluster_tier.stats().faults == {FaultKind.VERSION: 1}  # ...left for its readers
