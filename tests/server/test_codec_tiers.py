@@ -10,7 +10,7 @@ import grpc
 import lmdb
 import numpy as np
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from rpc import Conn, expect_code, tier_stats
+from rpc import Conn, expect_code, run_kvtier, tier_stats
 from test_async_loads import Store, disk_offset
 
 from kvtier.mechanism.disk_index import encode_key
@@ -65,6 +65,9 @@ def test_fp8_pages_take_about_half_the_disk_and_come_back_within_fp8_precision(d
     assert disk.cached_pages == 6 and disk.capacity_bytes == 16 * PAGE
     assert 1.8 <= 6 * PAGE / disk.stored_bytes <= 2.0
     assert disk.free_bytes == disk.capacity_bytes - 6 * 17 * 4096  # 16 chunks of values, one of scales
+    out = run_kvtier("stats", "--socket", str(d.socket), env={"TTY_COMPATIBLE": "0", "COLUMNS": ""})
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["disk"])
+    assert row[-1] == f"{6 * PAGE / disk.stored_bytes:.2f}x" and "of" in row  # raw, stored of room, ratio
 
 
 def test_namespaces_keep_their_own_codecs_and_a_change_leaves_older_pages_readable(daemons, tmp_path):
