@@ -12,6 +12,7 @@ import pytest
 from client_helpers import LAYOUT, as_bytes, kv_pages, tokens
 from kvtier_client import KVTierClient, NotFound, PageLayout, Tier
 
+from kvtier.codecs import Encoded
 from kvtier.mechanism.cluster.values import cluster_key, header, layout_hash
 from kvtier.mechanism.seal import PageIdentity, Sealer
 
@@ -377,7 +378,8 @@ def test_with_a_seal_key_a_forged_or_foreign_value_is_a_miss(nodes, tmp_path):
     cluster = nodes.cluster.client()
     for key, payload in zip(forged_keys, forged_data):
         page = memoryview(bytes(payload))
-        head = header(layout_hash(LAYOUT.layout_id), PageIdentity(LAYOUT.layout_id, "tenant", key), Sealer(), page)
+        head = header(layout_hash(LAYOUT.layout_id), PageIdentity(LAYOUT.layout_id, "tenant", key), Sealer(),
+                      len(page), Encoded(0, page))
         cluster.hset(cluster_key("kvtier", LAYOUT.layout_id, "tenant", key), mapping={b"h": head, b"p": bytes(page)})
     assert b.lookup(forged_keys).hit_blocks == 2  # present in the cluster...
     with pytest.raises(NotFound, match="key 0"):

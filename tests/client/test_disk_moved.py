@@ -39,7 +39,7 @@ def test_a_disk_entry_moved_to_another_tenants_key_is_a_miss(daemons, tmp_path):
     env = lmdb.open(os.path.join(first.cache_dir, LAYOUT.layout_id, "index.lmdb"), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"pages")) as txn:
         moved = bytearray(txn.get(index_key("tenant-a", a_keys[1])))
-        moved[16:24] = (10_000).to_bytes(8, "little")  # a later write sequence than any real one
+        moved[21:29] = (10_000).to_bytes(8, "little")  # a later write sequence (kvtier.mechanism.disk_index)
         txn.put(index_key("tenant-b", b_keys[1]), bytes(moved))
     env.close()
 
