@@ -312,8 +312,10 @@ def test_a_failed_promotion_leaves_no_bytes_for_another_namespace(make_pool):
 
 
 def corrupt_disk_page(pool, slot: int, offset: int = 100) -> None:
+    """Flip a byte of the page whose disk copy has `slot`, in its first chunk."""
+    record = next(r for r in pool.disk.records() if r.slot == slot)
     with open(pool.disk.slab_path, "r+b") as f:
-        f.seek(slot * pool.layout.slot_bytes + offset)
+        f.seek(record.extent[0] * pool.disk.chunk_bytes + offset)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0xFF]))
