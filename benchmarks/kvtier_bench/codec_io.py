@@ -56,7 +56,7 @@ from kvtier_bench.harness import (
 )
 from kvtier_bench.internals import FsyncPolicy
 
-CODEC_NAMES = tuple(CODECS)  # identity, zstd, k16v8, fp8, int4
+CODEC_NAMES = tuple(CODECS)  # identity, zstd, k16v8, fp8, int4, int8
 #: Llama-3-8B's shape: 32 layers, 8 KV heads of 128, 16-token blocks, float16: 2 MiB pages.
 DEFAULT_LAYOUT = PageLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype="float16")
 #: --small: 4 layers, 256 KiB pages.

@@ -10,7 +10,7 @@ import numpy as np
 from kvtier.codecs import codec_named, decoder
 from kvtier_client.layout import PageLayout
 
-CODECS = ("zstd", "k16v8", "fp8", "int4")
+CODECS = ("zstd", "k16v8", "fp8", "int4", "int8")
 BLOCK = 16
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict
 import numpy as np
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32; the connector's page is one block
-VARIANTS = ("identity", "bf16", "zstd", "k16v8", "fp8", "int4")  # bf16: float32 pages rounded, no codec: a yardstick
+VARIANTS = ("identity", "bf16", "zstd", "k16v8", "fp8", "int4", "int8")  # bf16: float32 pages rounded, no codec: a yardstick
 
 
 class CodecPipe:

@@ -6,6 +6,7 @@ namespace's pages are written with.
     k16v8     2  lossy: keys as they are, values FP8
     fp8       3  lossy: keys and values FP8
     int4      4  lossy: KIVI-style 4-bit
+    int8      5  lossy: 8-bit keys per channel, values per token
 
 A daemon's `codec` option names the default; a namespace's `codec` key in the tokens file
 overrides it. A lossy codec is never the default, and applies to float pages only: for any
@@ -22,13 +23,15 @@ from enum import Enum
 from kvtier_client.layout import PageLayout
 
 from kvtier.codecs.base import Encoded, IdentityCodec, PageCodec
+from kvtier.codecs.int8 import Int8Codec
 from kvtier.codecs.lossless import PlanesZstdCodec
 from kvtier.codecs.quant import Fp8Codec, Int4Codec, K16V8Codec, lossy_applies
 
 __all__ = ["CODECS", "CodecChoice", "CodecName", "Encoded", "PageCodec", "codec_named", "decoder"]
 
 #: Every codec, by name, in id order.
-CODECS: dict[str, type] = {c.name: c for c in (IdentityCodec, PlanesZstdCodec, K16V8Codec, Fp8Codec, Int4Codec)}
+CODECS: dict[str, type] = {c.name: c for c in (IdentityCodec, PlanesZstdCodec, K16V8Codec, Fp8Codec, Int4Codec,
+                                                 Int8Codec)}
 
 class CodecName(str, Enum):
     """What the `codec` option and a namespace's `codec` key may name."""
@@ -38,6 +41,7 @@ class CodecName(str, Enum):
     K16V8 = "k16v8"
     FP8 = "fp8"
     INT4 = "int4"
+    INT8 = "int8"
 
 
 _BY_ID: dict[int, type] = {c.id: c for c in CODECS.values()}

@@ -5,6 +5,7 @@
     int4    KIVI-style 4-bit: keys per channel (over the page's tokens),
             values per token (over the head's channels), each group with
             its own minimum and step in float16                        ~3.1x (16 tokens, head_dim 128)
+    (int8, integers per channel and per token, is kvtier.codecs.int8: ~1.87x)
 
 FP8 keeps its own exponent per value, so one power-of-two scale per (layer, K or V, head)
 only keeps the group's largest value under FP8's 448: an outlier channel costs the other

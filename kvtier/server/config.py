@@ -339,8 +339,8 @@ OPTIONS: tuple[Option, ...] = (
            "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, or a candidate "
            "measured against them (arc, s3fifo, tinylfu)."),
     Option("codec", "tiers", Kind.of(CodecName), "identity", "How disk and cluster pages are stored: identity (as "
-           "they are), zstd (lossless), or, on float16/bfloat16/float32 pages, lossy k16v8 (~1.33x), fp8 (~2x) or "
-           "int4 (~3x); a namespace's codec key in the tokens file overrides it (docs/tiers.md, \"Codecs\")."),
+           "they are), zstd (lossless), or, on float16/bfloat16/float32 pages, lossy k16v8 (~1.33x), int8 (~1.87x), "
+           "fp8 (~2x) or int4 (~3x); a namespace's codec key in the tokens file overrides it (docs/tiers.md, \"Codecs\")."),
     Option("disk_admission", "tiers", Kind.of(AdmissionName), "reuse", "Which host pages are written to disk as they "
            "leave host: reuse (only kinds of pages that come back often enough, see --disk-admission-threshold), or all."),
     Option("disk_admission_threshold", "tiers", FRACTION, DEFAULT_THRESHOLD, "For --disk-admission reuse: the share "

@@ -14,7 +14,7 @@ from kvtier_client.layout import PageLayout
 
 #: 512 KiB pages of 512 tokens: a 4,096-token prefix is 8 pages.
 TINY = "layers=2,kv_heads=2,head_dim=64,block_tokens=512,dtype=float16"
-LOSSY = ("k16v8", "fp8", "int4")
+LOSSY = ("k16v8", "fp8", "int4", "int8")
 
 
 def test_disk_part_has_every_codec_and_lossy_ratios_above_one(bench_dir):

@@ -55,7 +55,7 @@ def test_synthetic_outlier_channels_fp8_beats_int4_on_k_and_v():
 
 def test_markdown_names_every_row_and_the_command(llama):
     text = render(list(llama.values()), synthetic(tokens=64, layers=1, heads=1, dim=32), TINY, "the command")
-    assert "`the command`" in text and text.count("| llama |") == 5 and "| int4 |" in text
+    assert "`the command`" in text and text.count("| llama |") == 6 and "| int8 |" in text
 
 
 def test_cli_registers_the_command():

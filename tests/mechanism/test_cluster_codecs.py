@@ -36,7 +36,7 @@ def test_identity_stores_the_page_itself_and_gives_its_checksum():
     assert verdict is Verdict.GOOD and checksum == HEADER.unpack(head)[6] and out == src
 
 
-@pytest.mark.parametrize("name", ["zstd", "k16v8", "fp8", "int4"])
+@pytest.mark.parametrize("name", ["zstd", "k16v8", "fp8", "int4", "int8"])
 def test_an_encoded_value_is_smaller_and_decodes_with_the_codec_its_header_names(name):
     src = page(1)
     head, stored = value(name, src)

@@ -15,7 +15,7 @@ def test_identity_leaves_the_read_rate_alone():
     assert with_decode(1e9, codec_named("identity", LAYOUT), 4) == 1e9
 
 
-@pytest.mark.parametrize("name", ["zstd", "k16v8", "fp8", "int4"])
+@pytest.mark.parametrize("name", ["zstd", "k16v8", "fp8", "int4", "int8"])
 def test_a_codec_makes_reads_cheaper_per_page_and_decoding_bounds_them(name):
     codec = codec_named(name, LAYOUT)
     ratio_bound = LAYOUT.page_bytes / codec.bound() if codec.lossy else 2.0
