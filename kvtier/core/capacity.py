@@ -268,10 +268,8 @@ class Capacity:
         blocks = [b for b in blocks if Tier.DISK not in b.copies and not b.copies[Tier.HOST].saved]
         batch = WriteBatch()
         for namespace, group in self.by_namespace(blocks):
-            reserve = disk.space.reserve(namespace)  # chunks: the codec's largest encoding, the rest given back at `file`
-
-            def room() -> int:
-                return min(disk.slots.free_count, disk.chunks.free_count // reserve)
+            def room() -> int:  # a raw page's chunks a page; what its encoding leaves comes back at `file`
+                return min(disk.slots.free_count, disk.chunks.free_count // disk.space.reserve)
 
             victims, allowed = self.choose(Tier.DISK, len(group), room(), namespace, keep=keep)
             while victims:  # victims stored in fewer chunks than a reserve free less room than a page each
@@ -281,7 +279,7 @@ class Capacity:
                 ns, key = block.ref
                 parent = block.parent[1] if block.parent else None
                 record = PageRecord(ns, key, disk.slots.alloc(), parent, tokens=block.tokens,
-                                    extent=disk.chunks.take(reserve))
+                                    extent=disk.chunks.take(disk.space.reserve))
                 block.copies[Tier.HOST].saved = True
                 self.index.start_writing(ns, [record.slot], Tier.DISK)
                 self.saving[block.ref] = record

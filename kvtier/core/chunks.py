@@ -3,13 +3,13 @@
 A codec can keep a page in fewer bytes (kvtier.codecs), so the disk slab is cut into
 chunks (a fraction of a page, 4 KiB aligned) and each page takes a run list of them: its
 `extent`, flattened as (start, count, start, count, ...). The core owns the chunks as it
-owns slots: a write takes the most its namespace's codec can need (`DiskSpace.reserve`),
-and gives back what the encoding did not use when it is filed; a dropped copy gives back
-its own. A slot still names each disk copy (its index entry); chunks are where its bytes are.
+owns slots: a write takes a raw page's chunks (`DiskSpace.reserve`: any codec's encoding
+fits, so a reload that gives a namespace another codec never finds a write too small), and
+gives back what the encoding did not use when it is filed; a dropped copy gives back its own. A slot still names each disk copy (its index entry); chunks are where its bytes are.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 Extent = tuple[int, ...]
@@ -21,8 +21,7 @@ class DiskSpace:
 
     chunks: int  # chunks in the slab
     chunk_bytes: int
-    #: Chunks one page of a namespace may need: its codec's largest encoding.
-    reserve: Callable[[str], int]
+    reserve: int  # chunks a write takes per page: a raw page's
 
 
 def chunk_bytes_for(slot_bytes: int, align: int = 4096, most: int = 64) -> int:

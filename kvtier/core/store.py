@@ -153,7 +153,7 @@ class BlockStore:
             tiers.append(TierState(Tier.DEVICE, SlotAllocator(device_pages), policy(device_pages)))
         records = list(recovered) if disk_pages > 0 else []
         if disk_pages > 0:
-            space = ports.disk.space or DiskSpace(disk_pages, layout.slot_bytes, lambda _: 1)  # a chunk a page
+            space = ports.disk.space or DiskSpace(disk_pages, layout.slot_bytes, 1)  # a chunk a page
             tiers.append(TierState(Tier.DISK, SlotAllocator(disk_pages, used=[r.slot for r in records]), policy(disk_pages),
                                    chunks=ChunkAllocator(space.chunks, [r.extent for r in records]), space=space))
         self._lock = threading.RLock()

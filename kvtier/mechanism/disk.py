@@ -246,9 +246,9 @@ class DiskTier:
     # -- bytes ----------------------------------------------------------------
     @property
     def space(self) -> DiskSpace:
-        """The slab's chunks as the core counts them; a page reserves its codec's largest encoding."""
-        chunk, codecs, layout = self.chunk_bytes, self.codecs, self.layout
-        return DiskSpace(self.chunks, chunk, lambda ns: -(-codecs.for_namespace(ns, layout).bound() // chunk))
+        """The slab's chunks as the core counts them; a write reserves a raw page's (every
+        codec's bound: no encoding is larger than the page)."""
+        return DiskSpace(self.chunks, self.chunk_bytes, -(-self.layout.page_bytes // self.chunk_bytes))
 
     def write_pages(self, items: Sequence[tuple[PageRecord, memoryview]]) -> list[PageRecord]:
         """Encode each page (from an aligned source: a host slot) with its namespace's codec

@@ -5,12 +5,13 @@ fails its checksum, or names a codec this kvtier does not know, is a miss, never
 from __future__ import annotations
 
 import os
+import signal
 
 import grpc
 import lmdb
 import numpy as np
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from rpc import Conn, expect_code, run_kvtier, tier_stats
+from rpc import Conn, expect_code, run_kvtier, tier_stats, wait_for
 from test_async_loads import Store, disk_offset
 
 from kvtier.mechanism.disk_index import encode_key
@@ -130,3 +131,23 @@ def test_a_flipped_encoded_byte_is_dropped_and_an_unknown_codec_is_a_miss(daemon
     disk = st.disk()
     assert disk.corrupt_pages == 2 and disk.cached_pages == 1
     assert "codec id 99, which this kvtier does not know" in d.log()
+
+
+def test_a_reload_that_changes_a_namespaces_codec_takes_effect_for_new_pages(daemons, tmp_path):
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text("[namespaces.t]\n")
+    d = daemons.start("--codec", "int4", "--auth", "none", "--tokens-file", str(tokens), **TIERS)
+    st = KVStore(Conn(d.target), "t", LAYOUT)
+    before = keys("x", 2)
+    st.put(before)
+    st.push_to_disk()  # written as int4: a quarter of the chunks
+    tokens.write_text('[namespaces.t]\ncodec = "identity"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reloaded the tokens file" in d.log(), 10, "the reload")
+    after = keys("y", 2)
+    got = round_trip(st, after)  # as they are now: a raw page's chunks each, never too few
+    assert got == [st.content(k) for k in after]
+    lease = st.acquire(before)  # the int4 pages still decode
+    assert lease.ready == 2
+    st.s.release(lease.lease_id)
+    assert st.disk().io_errors == 0
