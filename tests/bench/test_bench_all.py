@@ -53,6 +53,7 @@ def _tiny(tmp_path, bench_dir) -> Settings:
                     cluster_requests=None, directory=str(bench_dir))
 
 
+@pytest.mark.slow  # 46 s: every benchmark again; each has its own tiny test in the default suite
 def test_all_on_tiny_sizes_writes_json_markdown_and_every_plot(tmp_path_factory, bench_dir, monkeypatch):
     tmp_path = tmp_path_factory.mktemp("all")  # bench_dir must stay empty
     _fake_e2e(monkeypatch)

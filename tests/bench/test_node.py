@@ -55,6 +55,7 @@ def test_a_shared_daemon_hits_at_least_as_often_as_private_ones_on_the_mooncake_
     assert shared.ceiling == result.infinite > private.ceiling
 
 
+@pytest.mark.slow  # 17 s; the shared-vs-private hit-rate test keeps the node bench in the default suite
 def test_the_cli_on_interleaved_conversations_saves_every_file(bench_dir, tmp_path_factory):
     trace = _chat_trace(tmp_path_factory.mktemp("trace"))  # bench_dir must end empty
     stem = tmp_path_factory.mktemp("results") / "node"
