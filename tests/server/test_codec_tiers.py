@@ -4,7 +4,6 @@ decoded; pages of another codec written before a change still read; an encoded p
 fails its checksum, or names a codec this kvtier does not know, is a miss, never served."""
 from __future__ import annotations
 
-import os
 import signal
 
 import grpc
