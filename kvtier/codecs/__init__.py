@@ -50,11 +50,13 @@ _built_lock = threading.Lock()
 
 
 def _build(cls: type, layout: PageLayout) -> PageCodec:
-    with _built_lock:
-        codec = _built.get((cls.id, layout))
-        if codec is None:
-            codec = _built[(cls.id, layout)] = cls(layout)
-        return codec
+    """One codec object per (codec, layout). Every page's encode and decode asks: the lookup
+    takes no lock (a dict read is atomic), only the first build of a pair does."""
+    codec = _built.get((cls.id, layout))
+    if codec is None:
+        with _built_lock:
+            codec = _built.setdefault((cls.id, layout), cls(layout))
+    return codec
 
 
 def decoder(codec_id: int, layout: PageLayout) -> PageCodec | None:
