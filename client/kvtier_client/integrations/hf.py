@@ -340,7 +340,7 @@ class HFPrefixCache:
                 continue
             if group.kind is GroupKind.STATE:
                 page, loaded = pages.read_state(client, group_keys[0])
-                pages.fill_state(cache, group, page, device)
+                pages.fill_state(cache, group, page, tokens, device)
             else:
                 first_token = need.first * self.block_tokens
                 kv, loaded = pages.read_kv(client, group_keys, group.layout, tokens - first_token, self._batch(client))

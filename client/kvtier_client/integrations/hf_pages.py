@@ -215,9 +215,12 @@ def read_state(client: KVTierClient, key: BlockKey) -> tuple[np.ndarray, int]:
         return np.array(lease.pages[0]).reshape(-1).view(np.uint8), lease.promoted
 
 
-def fill_state(cache: Any, group: CacheGroup, page: np.ndarray, device: Any) -> None:
-    """Put a state page into a fresh cache's linear-attention layers, through their own
-    update_conv_state / update_recurrent_state (which initialise them as a forward would)."""
+def fill_state(cache: Any, group: CacheGroup, page: np.ndarray, seen: int, device: Any) -> None:
+    """Put a state page (the state after `seen` tokens) into a fresh cache's linear-attention
+    layers, through their own update_conv_state / update_recurrent_state (which initialise
+    them as a forward would). Since transformers 5.25 such a layer also counts its tokens
+    (`cumulative_length_linear`, what get_seq_length answers); the conv update counted the
+    kernel's width, so the count is set to `seen`."""
     import torch
 
     for entry in group.states:
@@ -228,6 +231,10 @@ def fill_state(cache: Any, group: CacheGroup, page: np.ndarray, device: Any) -> 
             layer.update_conv_state(t, state_idx=entry.index, conv_kernel_size=entry.kernel)
         else:
             layer.update_recurrent_state(t, state_idx=entry.index)
+    for i in {entry.layer for entry in group.states}:
+        count = getattr(cache.layers[i], "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(seen)
 
 
 def write_states(client: KVTierClient, keys: Sequence[BlockKey], pages: dict[int, np.ndarray]) -> tuple[int, int, str]:
