@@ -30,6 +30,7 @@ from kvtier_client.results import MissReason
 from kvtier_client.tiers import Tier
 
 from kvtier.core.chunks import ChunkAllocator, DiskSpace
+from kvtier.core.hints import HintTable
 from kvtier.core.history import DEFAULT_HISTORY_SIZE, MissHistory
 from kvtier.core.ports import BlockEvents, LoadJob, PageRecord
 from kvtier.core.slots import SlotAllocator
@@ -170,6 +171,8 @@ class BlockIndex:
         #: Every namespace that has used the store (an entry is made on first use).
         self.namespaces: defaultdict[str, NamespaceCounters] = defaultdict(NamespaceCounters)
         self.history = MissHistory(history_size)
+        #: Clients' hints on blocks (pins, priorities); a block's hint leaves with it.
+        self.hints = HintTable()
         host_pages = self.tiers[Tier.HOST].slots.capacity
         #: The namespace whose data each host slot last held: a slot must be zeroed before
         #: a writer of another namespace gets it.
@@ -259,6 +262,8 @@ class BlockIndex:
             self.events.removed(tier, *block.ref)
         if not block.copies:
             del self.blocks[block.ref]
+            if self.hints.hints:
+                self.hints.clear(block.ref)
         return copy.record
 
     def evicted(self, blocks: list[Block], tier: Tier, policy: str, requester: str) -> None:

@@ -21,6 +21,9 @@ operator can run it through `kvtier` debugging tools. A violation is a bug, neve
    sum to the tier's cached plus writing pages.
 10. Every disk chunk is exactly one of free, reserved by a write in flight, or in one disk
    copy's extent; the disk's stored bytes are its copies' stored lengths.
+11. Hints name cached blocks only; their counts (by class, namespace and session) are the
+   table's; no namespace hard-pins more blocks than its guaranteed host pages. (That a
+   hard-pinned host copy is never evicted is checked step by step: tests/core/test_store_hints.py.)
 
 Two quota rules hold only under conditions the store cannot see, so they are checked
 apart: `check_quotas_kept` (no namespace above its maximum; true after every step unless
@@ -133,6 +136,7 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
     _check_namespaces(store)
     if Tier.DISK in store.tiers:
         _check_chunks(store)
+    _check_hints(store)
 
     if disk_records is not None and Tier.DISK in store.tiers:
         persisted = {((r.namespace, r.key), r.slot) for r in disk_records}
@@ -141,6 +145,23 @@ def check_invariants(store: BlockStore, disk_records: Iterable[PageRecord] | Non
         leaving = {((r.namespace, r.key), r.slot) for r in store.forgetting}
         extra = persisted - indexed - leaving
         _require(not extra and indexed <= persisted, f"disk index and LMDB disagree: only in LMDB {sorted(extra)[:3]}, only in index {sorted(indexed - persisted)[:3]}")
+
+
+def _check_hints(store: BlockStore) -> None:
+    table = store.control.hints
+    _require(all(ref in store.blocks for ref in table.hints), "a hint names a block that is not cached")
+    _require(Counter(h.rank for h in table.hints.values()) == +table.counts, f"hint counts {table.counts} are not the table's")
+    by_ns: dict[str, Counter] = {}
+    for (namespace, _), hint in table.hints.items():
+        by_ns.setdefault(namespace, Counter())[hint.rank] += 1
+    _require(by_ns == {ns: +c for ns, c in table.by_namespace.items() if +c}, "hint counts by namespace are not the table's")
+    sessions = {ref for refs in table.by_session.values() for ref in refs}
+    _require(sessions == {ref for ref, h in table.hints.items() if h.session is not None}, "session hints are not the table's")
+    quotas = store.control.capacity.quotas
+    for namespace in table.by_namespace:
+        limit = quotas.get(namespace).guaranteed_pages(Tier.HOST) if namespace in quotas else 0
+        pinned = table.hard_pins(namespace)
+        _require(pinned <= limit, f"namespace {namespace!r} hard-pins {pinned} blocks, past its {limit} guaranteed host pages")
 
 
 def _check_namespaces(store: BlockStore) -> None:

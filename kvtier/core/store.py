@@ -17,6 +17,7 @@ This module is the façade: it validates a request, and hands it to the room tha
                  group lookup's reads and counts (groups.py decides over several stores)
     cluster.py   the cluster tier: what it holds, loads from it, copies to it
     loads.py     disk -> host loads, host -> device promotions, waiting for them
+    control.py   clients' hints: pin, retain, demote, drop (`store.control`); hints.py their table
     capacity.py  make room: the policy proposes victims, evictions demote or drop
     index.py     blocks, copies, tier states and counters (BlockIndex)
     leases.py    leases and the sessions holding them (LeaseTable)
@@ -73,7 +74,9 @@ from kvtier_client.tiers import Tier
 from kvtier.core.chunks import ChunkAllocator, DiskSpace
 from kvtier.core.capacity import Capacity
 from kvtier.core.cluster import ClusterCopies
+from kvtier.core.control import CacheControl
 from kvtier.core.held import HeldCopy, held_copies
+from kvtier.core.hints import TierRanks
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.index import (
     Block, BlockIndex, NamespaceCounters, TierCounters, TierState, check_keys, check_namespace,
@@ -90,6 +93,7 @@ from kvtier.core.results import (
 from kvtier.core.slots import SlotAllocator
 from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, Writes
 from kvtier.policy import Admission, EvictionPolicy, LRUPolicy, Ref, Watched
+from kvtier.policy.classes import Ranked
 
 
 def _locked(method):
@@ -169,6 +173,11 @@ class BlockStore:
                               write_through=write_through, cluster=remote, cluster_write=self.cluster_write)
         self._reads = Reads(self._index, self._leases, self._loads, ports, self._lock, self._writes.run, remote)
         self._ports = ports
+        for state in self._index.tiers.values():  # clients' hints rank victims in every tier
+            state.policy = Ranked(state.policy, TierRanks(self._index.hints, state.tier))
+        #: Clients' pins, retains, demotes and drops (kvtier.core.control).
+        self.control = CacheControl(self._index, self._capacity, self._lock, self._writes.run,
+                                    lambda session, namespace, keys: self.prefetch(session, namespace, keys))
 
     # -- read-only views, for invariants and tests ----------------------------
     @property
@@ -292,6 +301,7 @@ class BlockStore:
         tiers. Evicts nothing now: they apply from each namespace's next allocation."""
         check_quotas(quotas, {tier: state.slots.capacity for tier, state in self._index.tiers.items()})
         self._capacity.quotas = {ns: quota for ns, quota in quotas.items() if quota != NO_QUOTA}
+        self.control.fit_quotas()
 
     @_locked
     def session_leases(self, session: SessionId) -> int:
@@ -422,6 +432,7 @@ class BlockStore:
         for lease in leases:
             self._release(lease)
         self._loads.cancel_session(session)
+        self.control.end_session(session)
         return len(leases)
 
     @contextmanager

@@ -1,0 +1,233 @@
+"""Cache control: clients' pins, retains, demotes and drops on a prefix (kvtier_client.steering
+says what each means to a client; docs/cache-control.md has the rules).
+
+    pin / retain / unpin   set or clear hints in the table (kvtier.core.hints); the tiers'
+                           policies rank victims by them (kvtier.policy.classes). A hard pin
+                           is charged to the namespace's guaranteed host pages and refused,
+                           changing nothing, past them; its disk-only blocks are prefetched
+                           into host, where the pin holds them.
+    demote                 device copies go down to host, and with tier=disk host copies
+                           are written to disk (outside the lock, in kvtier.core.writes.Writes.run)
+                           and leave host.
+    drop                   every copy on this node goes (the cluster tier, shared by
+                           nodes, keeps its own); the history says a hint dropped them.
+
+Blocks in use (leased, loading, being saved) are skipped and counted, never waited for:
+a hint is not worth a stall. A request names keys; those not cached count as `missing`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from collections.abc import Callable
+
+from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument
+from kvtier_client.ids import SessionId
+from kvtier_client.results import MissReason
+from kvtier_client.steering import MAX_TTL_SECONDS, PinMode, PinUsage, Priority, SteerResult
+from kvtier_client.tiers import Tier
+
+from kvtier.core.capacity import Capacity, WriteOut
+from kvtier.core.hints import Hint, HintTable
+from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
+from kvtier.policy.classes import Rank
+
+#: What the history names as the "policy" that removed a dropped block (`stats why`).
+DROP_HINT = "a drop hint"
+_RANK_OF_PRIORITY = {Priority.COLD: Rank.COLD, Priority.HIGH: Rank.HIGH}
+
+
+class CacheControl:
+    def __init__(self, index: BlockIndex, capacity: Capacity, lock: threading.RLock,
+                 run: Callable[[Callable], object], prefetch: Callable[..., int]) -> None:
+        """`run`: the store's request loop (kvtier.core.writes.Writes.run); `prefetch`: the
+        store's prefetch, to bring hard-pinned blocks into host."""
+        self.index = index
+        self.hints: HintTable = index.hints
+        self.capacity = capacity
+        self._lock = lock
+        self._run = run
+        self._prefetch = prefetch
+
+    # -- hints ------------------------------------------------------------------------
+    def pin(self, session: SessionId, namespace: str, keys: list[bytes], mode: PinMode, ttl: float) -> SteerResult:
+        rank = Rank.HARD_PIN if PinMode(mode) is PinMode.HARD else Rank.SOFT_PIN
+        result = self._set(session, namespace, keys, rank, ttl, f"{PinMode(mode).value} pin")
+        if rank is Rank.HARD_PIN and result.applied:
+            with self._lock:
+                cold = [k for k in keys if (b := self.index.blocks.get((namespace, k))) and Tier.HOST not in b.copies]
+            if cold:
+                self._prefetch(session, namespace, cold)
+        return result
+
+    def retain(self, session: SessionId, namespace: str, keys: list[bytes], priority: Priority,
+               ttl: float) -> SteerResult:
+        priority = Priority(priority)
+        if priority is Priority.NORMAL:
+            return self.unpin(namespace, keys)
+        return self._set(session, namespace, keys, _RANK_OF_PRIORITY[priority], ttl, f"retain {priority.label}")
+
+    def unpin(self, namespace: str, keys: list[bytes]) -> SteerResult:
+        """Clear every hint on `keys`: they rank as the policy alone says."""
+        check_namespace(namespace)
+        check_keys(keys)
+        with self._lock:
+            refs = self._cached(namespace, keys)
+            cleared = sum(self.hints.clear(ref) for ref in refs)
+            return SteerResult(cleared, len(set(keys)) - len(refs), len(refs) - cleared,
+                               "" if cleared == len(refs) else "some had no hint")
+
+    def _set(self, session: SessionId, namespace: str, keys: list[bytes], rank: Rank, ttl: float,
+             what: str) -> SteerResult:
+        check_namespace(namespace)
+        check_keys(keys)
+        if not isinstance(ttl, (int, float)) or not 0 <= ttl <= MAX_TTL_SECONDS:
+            raise InvalidArgument(f"ttl must be 0 (until the session ends) to {MAX_TTL_SECONDS:.0f} seconds, got {ttl!r}")
+        with self._lock:
+            self.hints.expire()
+            refs = self._cached(namespace, keys)
+            if rank is Rank.HARD_PIN:
+                self._check_hard(namespace, refs)
+            now = time.time()
+            reason = f"{what} by session {session}" + (f" for {ttl:g} s" if ttl else " while it lasts")
+            hint = Hint(rank, now + ttl, None, reason) if ttl else Hint(rank, 0.0, session, reason)
+            for ref in refs:
+                self.hints.set(ref, hint)
+            missing = len(set(keys)) - len(refs)
+            return SteerResult(len(refs), missing, 0, f"{missing} keys not cached here" if missing else "")
+
+    def _check_hard(self, namespace: str, refs: list) -> None:
+        """Refuse, changing nothing, a hard pin that would take the namespace past its
+        guaranteed host pages."""
+        quota = self.capacity.quotas.get(namespace)
+        limit = quota.guaranteed_pages(Tier.HOST) if quota else 0
+        new = sum(1 for ref in refs if self.hints.rank(ref) is not Rank.HARD_PIN)
+        pinned = self.hints.hard_pins(namespace)
+        if pinned + new > limit:
+            if not limit:
+                raise FailedPrecondition(
+                    f"namespace {namespace!r} has no guaranteed host pages, and a hard pin is charged to them: "
+                    "give it guaranteed_host_pages in the tokens file, or use a soft pin (evicted last, never refused)"
+                )
+            raise CapacityError(
+                f"hard-pinning {new} more blocks would take namespace {namespace!r} to {pinned + new} pinned pages, "
+                f"past its {limit} guaranteed host pages: unpin some, use a soft pin, or raise its guarantee"
+            )
+
+    def fit_quotas(self) -> int:
+        """Quotas changed (the store's lock held): a namespace's hard pins past its new
+        guarantee become soft pins (evicted last, no longer never). Returns how many."""
+        table, quotas, changed = self.hints, self.capacity.quotas, 0
+        for namespace in [ns for ns in table.by_namespace if table.hard_pins(ns)]:
+            limit = quotas[namespace].guaranteed_pages(Tier.HOST) if namespace in quotas else 0
+            excess = table.hard_pins(namespace) - limit
+            for ref in [r for r, h in table.hints.items() if r[0] == namespace and h.rank is Rank.HARD_PIN][:max(0, excess)]:
+                table.set(ref, replace(table.hints[ref], rank=Rank.SOFT_PIN))
+                changed += 1
+        return changed
+
+    def _cached(self, namespace: str, keys: list[bytes]) -> list:
+        """The refs of `keys` cached on this node, each once, in order."""
+        blocks, seen, refs = self.index.blocks, set(), []
+        for key in keys:
+            ref = (namespace, key)
+            if ref in blocks and ref not in seen:
+                seen.add(ref)
+                refs.append(ref)
+        return refs
+
+    def end_session(self, session: SessionId) -> int:
+        """The session ended: its hints without a TTL end with it (the store's lock held)."""
+        return self.hints.end_session(session)
+
+    def expire(self) -> int:
+        with self._lock:
+            return len(self.hints.expire())
+
+    def usage(self, namespace: str) -> PinUsage:
+        with self._lock:
+            self.hints.expire()
+            counts = self.hints.by_namespace.get(namespace, {})
+            ends = [h.expires for ref, h in self.hints.hints.items() if ref[0] == namespace and h.expires]
+            quota = self.capacity.quotas.get(namespace)
+            return PinUsage(counts.get(Rank.HARD_PIN, 0), counts.get(Rank.SOFT_PIN, 0), counts.get(Rank.HIGH, 0),
+                            counts.get(Rank.COLD, 0), max(0.0, min(ends) - time.time()) if ends else 0.0,
+                            quota.guaranteed_pages(Tier.HOST) if quota else 0)
+
+    # -- moves ------------------------------------------------------------------------
+    def demote(self, namespace: str, keys: list[bytes], tier: Tier = Tier.DISK) -> SteerResult:
+        """Move the cached blocks of `keys` below `tier`'s upper neighbours: to host (off
+        the device), or to disk (off device and host)."""
+        check_namespace(namespace)
+        check_keys(keys)
+        tier = Tier(tier)
+        if tier not in (Tier.HOST, Tier.DISK):
+            raise InvalidArgument(f"demote to {tier.label} is not available: demote to host or disk")
+        if tier not in self.index.tiers:
+            raise FailedPrecondition(f"this pool has no {tier.label} tier to demote to; demote to host, or drop")
+        return self._run(lambda: self._demote(namespace, keys, tier))
+
+    def _demote(self, namespace: str, keys: list[bytes], tier: Tier) -> SteerResult:
+        index, capacity = self.index, self.capacity
+        refs = self._cached(namespace, keys)
+        blocks = [index.blocks[ref] for ref in refs]
+        now = time.monotonic()
+        above = [t for t in (Tier.DEVICE, Tier.HOST) if t < tier and t in index.tiers]
+        busy = [b for b in blocks if any(b.copies[t].is_protected(now) for t in above if t in b.copies)]
+        pinned = [b for b in blocks if tier is Tier.DISK and Tier.HOST in b.copies
+                  and self.hints.rank(b.ref) is Rank.HARD_PIN and b not in busy]
+        movable = [b for b in blocks if b not in busy and b not in pinned]
+        on_device = [b for b in movable if Tier.DEVICE in b.copies]
+        if on_device:
+            capacity.evict(Tier.DEVICE, on_device, namespace)  # copies down to host first
+        moved = [b for b in movable if not any(t in b.copies for t in above)]
+        if tier is Tier.DISK:
+            on_host = [b for b in movable if Tier.HOST in b.copies]
+            self._write_first(on_host)
+            going = [b for b in on_host if Tier.DISK in b.copies]
+            if going:
+                capacity.evict(Tier.HOST, going, namespace)
+            moved += going
+        notes = [f"{len(busy)} in use (leased or loading)" if busy else "",
+                 f"{len(pinned)} hard-pinned (unpin first)" if pinned else "",
+                 f"{len(movable) - len(moved)} not written to disk (full or failed)" if len(moved) < len(movable) else ""]
+        return SteerResult(len(moved), len(set(keys)) - len(refs), len(refs) - len(moved),
+                           "; ".join(n for n in notes if n))
+
+    def _write_first(self, blocks: list[Block]) -> None:
+        """Raise WriteOut for host pages that need a disk copy before they leave host (once
+        per request: a page that failed or found no room stays in host)."""
+        saved = [b for b in blocks if b.copies[Tier.HOST].saved]
+        if saved:
+            raise WriteOut(None, saved)
+        tried = self.capacity.tried
+        dirty = [b for b in blocks if Tier.DISK not in b.copies and b.ref not in tried]
+        if dirty:
+            tried.update(b.ref for b in dirty)
+            batch = self.capacity.prepare(dirty)
+            if batch:
+                raise WriteOut(batch)
+
+    def drop(self, namespace: str, keys: list[bytes]) -> SteerResult:
+        """Forget the cached blocks of `keys` on this node, every tier (a block in use is skipped)."""
+        check_namespace(namespace)
+        check_keys(keys)
+        return self._run(lambda: self._drop(namespace, keys))
+
+    def _drop(self, namespace: str, keys: list[bytes]) -> SteerResult:
+        index = self.index
+        refs = self._cached(namespace, keys)
+        now = time.monotonic()
+        dropped = 0
+        for ref in refs:
+            block = index.blocks[ref]
+            if any(copy.is_protected(now, holds=False) for copy in block.copies.values()):
+                continue
+            last = min(block.copies)
+            for tier in sorted(block.copies, reverse=True):
+                self.capacity.drop([block], tier)
+            index.history.record(ref, MissReason.EVICTED, last, now, DROP_HINT, True)
+            dropped += 1
+        busy = len(refs) - dropped
+        return SteerResult(dropped, len(set(keys)) - len(refs), busy, f"{busy} in use (leased or loading)" if busy else "")
