@@ -48,7 +48,7 @@ class Priority(enum.IntEnum):
         return self.name.lower()
 
     @classmethod
-    def parse(cls, text: str) -> "Priority":
+    def parse(cls, text: str) -> Priority:
         try:
             return cls[text.upper()]
         except KeyError:

@@ -137,6 +137,14 @@ class CacheControl:
                 refs.append(ref)
         return refs
 
+    def describe(self, ref) -> str:
+        """The ref's hint in words for `stats why` ("" if none), e.g. "hard pin by session
+        s1 for 60 s (42 s left)" (the store's lock held)."""
+        hint = self.hints.get(ref)
+        if hint is None:
+            return ""
+        return hint.reason + (f" ({hint.expires - time.time():.0f} s left)" if hint.expires else "")
+
     def end_session(self, session: SessionId) -> int:
         """The session ended: its hints without a TTL end with it (the store's lock held)."""
         return self.hints.end_session(session)

@@ -162,6 +162,7 @@ class BlockStatus:
     seconds_ago: float = 0.0
     policy: str = ""  # EVICTED: the eviction policy that chose it
     own_pressure: bool = False  # EVICTED: to make room for its own namespace
+    hint: str = ""  # cached: the client's hint that ranks it, and for how long (kvtier.core.control)
 
 
 @dataclass(frozen=True)

@@ -255,11 +255,10 @@ class BlockStore:
         blocks = []
         for i, key in enumerate(keys):
             block = index.blocks.get((namespace, key))
-            if block is not None and hit == i:
-                hit += 1
-                blocks.append(BlockStatus(i, BlockState.CACHED, block.best_tier))
-            elif block is not None:
-                blocks.append(BlockStatus(i, BlockState.BEYOND_PREFIX, block.best_tier))
+            if block is not None:
+                state = BlockState.CACHED if hit == i else BlockState.BEYOND_PREFIX
+                hit += state is BlockState.CACHED
+                blocks.append(BlockStatus(i, state, block.best_tier, hint=self.control.describe(block.ref)))
             elif (departure := index.history.departure(namespace, key)) is not None:
                 blocks.append(BlockStatus(i, BlockState(departure.reason.value), departure.tier,
                                           now - departure.when, departure.policy, departure.own_pressure))
