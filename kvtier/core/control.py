@@ -89,7 +89,7 @@ class CacheControl:
             refs = self._cached(namespace, keys)
             if rank is Rank.HARD_PIN:
                 self._check_hard(namespace, refs)
-            now = time.time()
+            now = self.hints.clock()
             reason = f"{what} by session {session}" + (f" for {ttl:g} s" if ttl else " while it lasts")
             hint = Hint(rank, now + ttl, None, reason) if ttl else Hint(rank, 0.0, session, reason)
             for ref in refs:
@@ -143,7 +143,7 @@ class CacheControl:
         hint = self.hints.get(ref)
         if hint is None:
             return ""
-        return hint.reason + (f" ({hint.expires - time.time():.0f} s left)" if hint.expires else "")
+        return hint.reason + (f" ({hint.expires - self.hints.clock():.0f} s left)" if hint.expires else "")
 
     def end_session(self, session: SessionId) -> int:
         """The session ended: its hints without a TTL end with it (the store's lock held)."""
@@ -160,7 +160,7 @@ class CacheControl:
             ends = [h.expires for ref, h in self.hints.hints.items() if ref[0] == namespace and h.expires]
             quota = self.capacity.quotas.get(namespace)
             return PinUsage(counts.get(Rank.HARD_PIN, 0), counts.get(Rank.SOFT_PIN, 0), counts.get(Rank.HIGH, 0),
-                            counts.get(Rank.COLD, 0), max(0.0, min(ends) - time.time()) if ends else 0.0,
+                            counts.get(Rank.COLD, 0), max(0.0, min(ends) - self.hints.clock()) if ends else 0.0,
                             quota.guaranteed_pages(Tier.HOST) if quota else 0)
 
     # -- moves ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier_client.ids import SessionId
@@ -32,7 +33,9 @@ class Hint:
 class HintTable:
     """Hints by block, with counts by class and by namespace kept as they change."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds (a replay gives its trace's time)."""
+        self.clock = clock
         self.hints: dict[Ref, Hint] = {}
         self.counts: Counter[Rank] = Counter()
         self.by_namespace: defaultdict[str, Counter[Rank]] = defaultdict(Counter)
@@ -44,13 +47,13 @@ class HintTable:
     def get(self, ref: Ref, now: float | None = None) -> Hint | None:
         """The ref's hint, None if it has none or it has expired."""
         hint = self.hints.get(ref)
-        if hint is None or (hint.expires and hint.expires <= (time.time() if now is None else now)):
+        if hint is None or (hint.expires and hint.expires <= (self.clock() if now is None else now)):
             return None
         return hint
 
     def rank(self, ref: Ref) -> Rank:
         hint = self.hints.get(ref)
-        if hint is None or (hint.expires and hint.expires <= time.time()):
+        if hint is None or (hint.expires and hint.expires <= self.clock()):
             return _NORMAL
         return hint.rank
 
@@ -81,7 +84,7 @@ class HintTable:
 
     def expire(self, now: float | None = None) -> list[Ref]:
         """Drop the hints whose TTL has passed; returns their refs."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         gone = [ref for ref, hint in self.hints.items() if hint.expires and hint.expires <= now]
         for ref in gone:
             self.clear(ref)
