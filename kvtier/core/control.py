@@ -137,6 +137,26 @@ class CacheControl:
                 refs.append(ref)
         return refs
 
+    # -- a warm restart keeps the hints with a TTL ------------------------------------
+    def lasting(self) -> list[tuple[tuple[str, bytes], Hint]]:
+        """The hints with a TTL still to run (those without end with their sessions,
+        which a restart ends): what a restart should keep."""
+        with self._lock:
+            now = self.hints.clock()
+            return [(ref, h) for ref, h in self.hints.hints.items() if h.expires > now]
+
+    def restore(self, saved: list[tuple[tuple[str, bytes], Hint]]) -> int:
+        """Set hints a previous daemon kept, on the blocks cached now (after its quotas are
+        set: hard pins past a guarantee become soft, as `fit_quotas` does). Returns how many."""
+        with self._lock:
+            now, restored = self.hints.clock(), 0
+            for ref, hint in saved:
+                if hint.expires > now and ref in self.index.blocks and hint.rank is not Rank.NORMAL:
+                    self.hints.set(ref, replace(hint, session=None))
+                    restored += 1
+            self.fit_quotas()
+            return restored
+
     def describe(self, ref) -> str:
         """The ref's hint in words for `stats why` ("" if none), e.g. "hard pin by session
         s1 for 60 s (42 s left)" (the store's lock held)."""

@@ -84,3 +84,10 @@ SLOT_TABLE = Format("slot table", current=1, oldest=1)
 #:    the reader does not know is a miss, left in the store. Format 2 values (identity only,
 #:    whose stored bytes are the page) are still read.
 CLUSTER_VALUE = Format("cluster value", current=3, oldest=2)
+
+#: Clients' hints with a TTL, kept across a restart (hints.json in the pool's directory,
+#: kvtier.server.hint_keeper: its `format` field).
+#: 1  {"format": 1, "hints": [{namespace, key (hex), rank (kvtier.policy.classes.Rank name),
+#:    expires (Unix seconds), reason}]}. Not a cache of bytes: a file it cannot read is
+#:    ignored (logged) and the hints are lost, never a refusal to start.
+HINTS = Format("hints file", current=1, oldest=1)

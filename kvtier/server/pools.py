@@ -37,6 +37,7 @@ from kvtier.mechanism.mover import ClusterParts, arena_ports
 from kvtier.mechanism.seal import Sealer
 from kvtier.policy import POLICIES, PolicyName, make_admission
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
+from kvtier.server.hint_keeper import HintKeeper
 from kvtier.server.wire_guard import cut
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Pool:
         self.copies: CopyEngine | None = None
         self.write_back: WriteBackThread | None = None
         self.cluster: ClusterParts | None = None
+        self.hints: HintKeeper | None = None
         self._unpin_host = None
         try:
             device_pages = 0
@@ -151,6 +153,8 @@ class Pool:
                 recovered_host=self.host.adopted,
                 history_size=config.history_size,
             )
+            hints_path = os.path.join(config.cache_dir, layout.layout_id, "hints.json") if config.cache_dir else None
+            self.hints = HintKeeper(self.store, hints_path, name=f"kvtier-hints-{layout.layout_id}")
             if self.disk is not None:
                 # Writes write-through pages and keeps a reserve of clean host pages, so a
                 # borrow rarely waits for a disk write (kvtier.core.writes).
@@ -239,6 +243,7 @@ class Pool:
             if self.cluster is not None:
                 self.cluster.reader.close()
             self.store.persist(deadline)
+            self.hints.close()
             keep_arena = deadline is not None and time.monotonic() >= deadline and self.store.unsaved() > 0
             if keep_arena:
                 log.warning("stop deadline passed before every host page reached disk; keeping the host arena "
@@ -259,6 +264,8 @@ class Pool:
             self.cluster.writer.close()
 
     def _close_tiers(self, *, keep_arena: bool = False) -> None:
+        if self.hints is not None:
+            self.hints.close()
         self._stop_write_back()  # no write after the disk closes
         self._stop_cluster_writes()
         if self.cluster is not None:
@@ -351,6 +358,7 @@ class PoolRegistry:
                 log.error("cannot create pool", extra={"pool": layout.layout_id, "reason": str(exc)})
                 raise CapacityError(str(exc)) from None
             _apply_quotas(pool, self._quotas)
+            pool.hints.restore()  # a previous daemon's hints with a TTL, within these quotas
             if self._events is not None:
                 pool.store.events = self._events.sink(layout.block_tokens, pool.store.held)
             self._pools[layout.layout_id] = pool
