@@ -32,7 +32,7 @@ class HintKeeper:
         self.store = store
         self.path = path
         self._interval = interval
-        self._saved: list | None = None
+        self._saved: list | None = []  # what the file holds (None: unknown, write it)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -41,6 +41,7 @@ class HintKeeper:
         quotas are set), then start keeping them. Returns how many were restored."""
         saved = load(self.path) if self.path else []
         restored = self.store.control.restore(saved)
+        self._saved = None if saved else []  # rewritten without what did not come back
         if saved:
             log.info("hints restored", extra={"path": self.path, "kept": len(saved), "restored": restored})
         self._thread.start()
