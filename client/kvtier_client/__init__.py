@@ -33,10 +33,12 @@ from kvtier_client.results import (
     Stats,
     TierStats,
 )
+from kvtier_client.steering import MAX_TTL_SECONDS, Action, PinMode, PinUsage, Priority, SteerResult
 from kvtier_client.tiers import Tier
 
 __all__ = [
     "ALGORITHMS",
+    "Action",
     "DEFAULT_ALGORITHM",
     "Backoff",
     "BlockExplanation",
@@ -56,17 +58,22 @@ __all__ = [
     "KVTierError",
     "LeaseId",
     "LookupResult",
+    "MAX_TTL_SECONDS",
     "MissReason",
     "NotFound",
     "PageLayout",
     "PermissionDenied",
+    "PinMode",
+    "PinUsage",
     "PoolInfo",
     "PoolStats",
+    "Priority",
     "ReadLease",
     "RemotePages",
     "SessionId",
     "Slot",
     "Stats",
+    "SteerResult",
     "TLSConfig",
     "Tier",
     "TierStats",

@@ -47,8 +47,11 @@ from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.protocol import PAGE_PIECE_BYTES, Granted, Wait, check_lent_tier, check_token_ids, wait_request
+from kvtier_client.protocol import (
+    PAGE_PIECE_BYTES, Granted, Steer, Wait, check_lent_tier, check_token_ids, wait_request,
+)
 from kvtier_client.results import CommitResult, Explanation, LookupResult, PoolInfo, Stats
+from kvtier_client.steering import Action, PinMode, Priority, SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto
@@ -459,6 +462,39 @@ class KVTierClient:
     def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
         """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""
         return self._in_session(lambda s: s.path.prefetch(keys, tier, priority))
+
+    # -- cache control (docs/cache-control.md) ----------------------------------
+    # Hints on this session's namespace and pool, counted per key: applied, missing (not
+    # cached on this node), skipped (cached but left as they were: the note says why). A
+    # hint with ttl 0 lasts until unpinned or until this client closes; with a TTL (at most
+    # steering.MAX_TTL_SECONDS) it outlives the client.
+    def pin(self, keys: Sequence[BlockKey], *, mode: PinMode = PinMode.SOFT, ttl: float = 0.0) -> SteerResult:
+        """Keep these blocks: soft, evicted last in every tier; hard, never evicted from host
+        (disk-only blocks are brought into host), charged to the namespace's guaranteed host
+        pages and refused past them (CapacityError, FailedPrecondition without any)."""
+        return self._steer(keys, Steer(Action.PIN, mode=mode, ttl=ttl))
+
+    def unpin(self, keys: Sequence[BlockKey]) -> SteerResult:
+        """Clear every hint (pin or retain) on these blocks: the eviction policy alone ranks them."""
+        return self._steer(keys, Steer(Action.UNPIN))
+
+    def retain(self, keys: Sequence[BlockKey], priority: Priority, *, ttl: float = 0.0) -> SteerResult:
+        """Rank these blocks for eviction: cold (first), high (after unhinted ones); normal
+        clears the hint, as unpin."""
+        return self._steer(keys, Steer(Action.RETAIN, ttl=ttl, priority=priority))
+
+    def demote(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.DISK) -> SteerResult:
+        """Move these blocks' pages below `tier` now: to host (off the device), or to disk
+        (written there first, then off host). Leased or hard-pinned blocks are skipped."""
+        return self._steer(keys, Steer(Action.DEMOTE, tier=tier))
+
+    def drop(self, keys: Sequence[BlockKey]) -> SteerResult:
+        """Forget these blocks in every tier of this node now (leased ones are skipped)."""
+        return self._steer(keys, Steer(Action.DROP))
+
+    def _steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult:
+        steer.wire()  # ValueError for a bad request, before anything is sent
+        return self._in_session(lambda s: s.path.steer(keys, steer))
 
     # -- leases ----------------------------------------------------------------
     def borrow(self, count: int) -> WriteLease:

@@ -47,6 +47,7 @@ class Op(enum.IntEnum):
     RELEASE = 7
     PREFETCH = 8
     HEARTBEAT = 9
+    STEER = 10
 
 
 _OPS = {op.value: op for op in Op}
@@ -66,6 +67,8 @@ _ACQUIRE = struct.Struct("<BBxxI")  # tier, wait, deadline_ms
 _ACQUIRE_REPLY = struct.Struct("<QBxHIII")  # lease id, tier, event length, ready, promoted, slot count
 _PREFETCH = struct.Struct("<BxxxI")  # tier, priority (signed in effect: see encode)
 _HELLO = struct.Struct("<HHH")  # session id, key and token lengths
+_STEER = struct.Struct("<BBBBxxxxd")  # action, pin mode, priority, tier (proto numbers), ttl seconds
+_STEER_REPLY = struct.Struct("<IIIH")  # applied, missing, skipped, note length (UTF-8 follows)
 
 
 # -- the header ------------------------------------------------------------------------
@@ -262,6 +265,22 @@ def read_prefetch(body: memoryview) -> tuple[int, int, list[bytes]]:
     return tier, priority - (1 << 32) if priority >= 1 << 31 else priority, keys
 
 
+def steer(seq: int, keys: Sequence[bytes], action: int, mode: int, ttl: float, priority: int, tier: int) -> bytes:
+    """A cache-control request: kvtier_client.protocol.Steer.wire's numbers, then the keys."""
+    return header(Op.STEER, seq) + _STEER.pack(action, mode, priority, tier, ttl) + pack_keys(keys)
+
+
+def read_steer(body: memoryview) -> tuple[int, int, float, int, int, list[bytes]]:
+    """(action, pin mode, ttl seconds, priority, tier, keys): the numbers as sent, for
+    kvtier_client.protocol.read_steer to check."""
+    if len(body) < _STEER.size:
+        raise FrameError("a steer starts with action, pin mode, priority, tier and ttl")
+    action, mode, priority, tier, ttl = _STEER.unpack_from(body)
+    keys, at = unpack_keys(body, _STEER.size)
+    done(body, at)
+    return action, mode, ttl, priority, tier, keys
+
+
 def heartbeat(seq: int) -> bytes:
     return header(Op.HEARTBEAT, seq)
 
@@ -356,3 +375,20 @@ def unpack_acquire(body: memoryview, at: int = 0) -> Grant:
     event = bytes(body[at : at + event_len])
     done(body, at + event_len)
     return Grant(lease_id, tier, slots, ready, promoted, event)
+
+
+def pack_steer(applied: int, missing: int, skipped: int, note: str) -> bytes:
+    text = note.encode()[:0xFFFF]
+    return _STEER_REPLY.pack(applied, missing, skipped, len(text)) + text
+
+
+def unpack_steer(body: memoryview) -> tuple[int, int, int, str]:
+    """(applied, missing, skipped, note)"""
+    if len(body) < _STEER_REPLY.size:
+        raise FrameError("a steer reply is cut short")
+    applied, missing, skipped, length = _STEER_REPLY.unpack_from(body)
+    end = _STEER_REPLY.size + length
+    if len(body) < end:
+        raise FrameError("a steer reply's note is cut short")
+    done(body, end)
+    return applied, missing, skipped, bytes(body[_STEER_REPLY.size : end]).decode("utf-8", "replace")

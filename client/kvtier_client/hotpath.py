@@ -19,8 +19,9 @@ from kvtier_client.errors import BorrowAfterCommitError, KVTierError, from_statu
 from kvtier_client.keys import BlockKey
 from kvtier_client.lane import Lane, LaneBroken
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.protocol import Granted
+from kvtier_client.protocol import Granted, Steer
 from kvtier_client.results import CommitResult, LookupResult
+from kvtier_client.steering import SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import tier_to_proto, tiers_from_proto_bytes
 
@@ -44,6 +45,7 @@ class HotPath(Protocol):
                        timeout: float) -> tuple[LookupResult, Granted | None]: ...
     def release(self, lease_id: int) -> None: ...
     def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int: ...
+    def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
 
@@ -131,6 +133,19 @@ class GrpcPath:
     def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
         return self._call("Prefetch", pb.PrefetchRequest(session_id=self._session_id, keys=list(keys),
                                                          tier=tier_to_proto(tier), priority=priority)).accepted
+
+    def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult:
+        action, mode, ttl, priority, tier = steer.wire()
+        request = pb.SteerRequest(session_id=self._session_id, action=action, keys=list(keys), pin_mode=mode,
+                                  ttl_seconds=ttl, priority=priority, tier=tier)
+        try:
+            reply = self._call("Steer", request)
+        except KVTierError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            raise from_status("UNIMPLEMENTED", f"the daemon does not know Steer (it predates cache control: {exc}); "
+                                               "upgrade the daemon") from exc
+        return SteerResult(reply.applied, reply.missing, reply.skipped, reply.note)
 
     def sync(self) -> None:
         """Nothing to wait for: every gRPC call is answered."""
@@ -241,6 +256,11 @@ class LanePath:
     def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
         body = self._call(lambda: frames.prefetch(0, keys, tier_to_proto(tier), priority))
         return self._grpc.prefetch(keys, tier, priority) if body is None else frames.read_u32(body)
+
+    def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult:
+        numbers = steer.wire()
+        body = self._call(lambda: frames.steer(0, keys, *numbers))
+        return self._grpc.steer(keys, steer) if body is None else SteerResult(*frames.unpack_steer(body))
 
     def sync(self) -> None:
         self._lane.sync()

@@ -12,6 +12,8 @@ would (docs/protocol.md).
   deadline in seconds -> the proto's wait and deadline_ms), `wait_timeout` (daemon: those ->
   the core's timeout)
 - grants: `Granted`, `NO_LEASE`, `read_grant` (how either transport's reply is read)
+- cache control (Steer): `Steer` (a request but its keys), `Steer.wire` (client: its proto
+  numbers, checked), `read_steer` (daemon: those numbers -> a Steer)
 - sizes both ends hold to: `MAX_FRAME`, `LANE_BUFFER_BYTES`, `MAX_REQUEST_BYTES`,
   `PAGE_PIECE_BYTES`, `MAX_MESSAGE_BYTES`
 
@@ -29,8 +31,9 @@ from dataclasses import dataclass
 
 from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.steering import MAX_TTL_SECONDS, Action, PinMode, Priority
 from kvtier_client.tiers import Tier
-from kvtier_client.wire import tier_from_proto
+from kvtier_client.wire import tier_from_proto, tier_to_proto
 
 # -- sizes -------------------------------------------------------------------------------
 #: The largest fast-lane frame either side sends or accepts. A request that would be larger
@@ -167,3 +170,67 @@ def read_grant(lease_id: int, tier: int, slots: Sequence[int], ready: int = 0, p
         return None
     # Slot and LeaseId are NewTypes of int: the ints as they came are already them.
     return Granted(LeaseId(lease_id), tier_from_proto(tier), tuple(slots), ready, promoted, bytes(ready_event))
+
+
+# -- cache control (Steer) ---------------------------------------------------------------
+_PIN_MODES = {PinMode.SOFT: pb.PIN_MODE_SOFT, PinMode.HARD: pb.PIN_MODE_HARD}
+_PIN_MODES_IN = {pb.PIN_MODE_UNSPECIFIED: PinMode.SOFT, **{v: k for k, v in _PIN_MODES.items()}}
+_PRIORITIES = {Priority.COLD: pb.RETAIN_PRIORITY_COLD, Priority.NORMAL: pb.RETAIN_PRIORITY_NORMAL,
+               Priority.HIGH: pb.RETAIN_PRIORITY_HIGH}
+_PRIORITIES_IN = {v: k for k, v in _PRIORITIES.items()}
+_DEMOTE_TIERS = {pb.TIER_UNSPECIFIED: Tier.DISK, pb.TIER_HOST: Tier.HOST, pb.TIER_DISK: Tier.DISK}
+
+
+@dataclass(frozen=True)
+class Steer:
+    """A cache-control request but its keys (kvtier_client.steering says what each action
+    does). Only the fields of its action matter: mode and ttl for PIN, priority and ttl for
+    RETAIN, tier for DEMOTE; the others stay at their defaults."""
+
+    action: Action
+    mode: PinMode = PinMode.SOFT
+    ttl: float = 0.0
+    priority: Priority = Priority.NORMAL
+    tier: Tier = Tier.DISK
+
+    def wire(self) -> tuple[int, int, float, int, int]:
+        """(action, pin mode, ttl seconds, priority, tier) as SteerRequest and the lane's
+        STEER frame number them, checked by the rule the daemon applies (`read_steer`)."""
+        action = Action(self.action)
+        numbers = (action.value,
+                   _PIN_MODES[PinMode(self.mode)] if action is Action.PIN else pb.PIN_MODE_UNSPECIFIED,
+                   float(self.ttl) if action in (Action.PIN, Action.RETAIN) else 0.0,
+                   _PRIORITIES[Priority(self.priority)] if action is Action.RETAIN else pb.RETAIN_PRIORITY_UNSPECIFIED,
+                   tier_to_proto(self.tier) if action is Action.DEMOTE else pb.TIER_UNSPECIFIED)
+        read_steer(*numbers)
+        return numbers
+
+
+def read_steer(action: int, mode: int, ttl: float, priority: int, tier: int) -> Steer:
+    """A request's numbers (SteerRequest, the lane's STEER frame) as a Steer. A field the
+    action does not take must be left unset (0): a ttl on a drop is a client's mistake."""
+    try:
+        act = Action(action)
+    except ValueError:
+        raise ValueError(f"unknown steer action {action}; use STEER_ACTION_PIN, UNPIN, RETAIN, DEMOTE or DROP") from None
+    takes = {"pin_mode": act is Action.PIN, "ttl_seconds": act in (Action.PIN, Action.RETAIN),
+             "priority": act is Action.RETAIN, "tier": act is Action.DEMOTE}
+    stray = [name for name, value in (("pin_mode", mode), ("ttl_seconds", ttl), ("priority", priority),
+                                      ("tier", tier)) if value and not takes[name]]
+    if stray:
+        raise ValueError(f"{act.label} takes no {', '.join(stray)}; leave it unset")
+    if not math.isfinite(ttl) or not 0 <= ttl <= MAX_TTL_SECONDS:
+        raise ValueError(f"ttl must be 0 (until the session ends) to {MAX_TTL_SECONDS:.0f} seconds, got {ttl!r}")
+    if act is Action.PIN:
+        if mode not in _PIN_MODES_IN:
+            raise ValueError(f"unknown pin mode {mode}; use PIN_MODE_SOFT or PIN_MODE_HARD")
+        return Steer(act, mode=_PIN_MODES_IN[mode], ttl=ttl)
+    if act is Action.RETAIN:
+        if priority not in _PRIORITIES_IN:
+            raise ValueError(f"a retain names its priority ({priority} is none): RETAIN_PRIORITY_COLD, NORMAL or HIGH")
+        return Steer(act, ttl=ttl, priority=_PRIORITIES_IN[priority])
+    if act is Action.DEMOTE:
+        if tier not in _DEMOTE_TIERS:
+            raise ValueError(f"demote moves pages below host or disk (TIER_HOST, TIER_DISK), not tier {tier}")
+        return Steer(act, tier=_DEMOTE_TIERS[tier])
+    return Steer(act)

@@ -3,7 +3,7 @@ SOCK_SEQPACKET socket (kvtier_client.frames; docs/protocol.md, "The fast lane").
 
 Python gRPC costs ~0.5 ms a call; a frame on a Unix socket costs microseconds. The lane
 carries only what an engine does per request (Lookup, Borrow, Commit, Acquire, Release,
-Prefetch, Heartbeat); Register, Stats, admin and remote clients stay on gRPC.
+Prefetch, Heartbeat, Steer); Register, Stats, admin and remote clients stay on gRPC.
 
 A connection serves one session. Its first frame is a HELLO naming the session, its key
 and the token that opened it; the kernel names the connecting process (SO_PEERCRED), which
@@ -39,7 +39,7 @@ from kvtier_client.wire import tier_to_proto, tiers_to_proto_bytes
 from kvtier.core.results import ReadGrant
 from kvtier.server.listener import Connection, PeerLimits, Refusal, SeqpacketListener
 from kvtier.server.metrics import Metrics
-from kvtier.server.ops import HotOps, Resolve, grant_fields
+from kvtier.server.ops import HotOps, Resolve, grant_fields, steer_of
 from kvtier.server.sessions import Caller, Process, Session, SessionManager
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class Lane:
         self._handlers: dict[Op, Callable[[Resolve, int, int, memoryview], bytes | None]] = {
             Op.HEARTBEAT: self._heartbeat, Op.LOOKUP: self._lookup, Op.BORROW: self._borrow, Op.COMMIT: self._commit,
             Op.ACQUIRE: self._acquire, Op.ACQUIRE_PREFIX: self._acquire_prefix, Op.RELEASE: self._release,
-            Op.PREFETCH: self._prefetch,
+            Op.PREFETCH: self._prefetch, Op.STEER: self._steer,
         }
 
     def start(self) -> None:
@@ -246,6 +246,13 @@ class Lane:
     def _prefetch(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         tier, priority, keys = frames.read_prefetch(body)
         return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority)]))
+
+    def _steer(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
+        action, mode, ttl, priority, tier, keys = frames.read_steer(body)
+        steer = steer_of(action, mode, ttl, priority, tier)
+        result = self._ops.steer(s, steer, keys)
+        self._metrics.steered(steer.action, result)
+        return frames.reply(Op.STEER, seq, frames.pack_steer(result.applied, result.missing, result.skipped, result.note))
 
 
 def _grant(grant: ReadGrant) -> frames.Grant:

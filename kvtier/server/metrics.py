@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import google.protobuf
 import grpc
+from kvtier_client.steering import Action, SteerResult
 from kvtier_client.tiers import Tier
 from prometheus_client import (
     CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector, ProcessCollector,
@@ -360,6 +361,14 @@ class Metrics:
             "dropped for sending nothing in time, by reason: uid_limit, total_limit, deadline.", ["socket", "reason"],
             registry=self.registry,
         )
+        self.steer_blocks = Counter(
+            "kvtier_steer_blocks", "Blocks named by cache-control requests (Steer), by action and result: applied, "
+            "missing (not cached here) or skipped (cached, left as they were).", ["action", "result"],
+            registry=self.registry,
+        )
+        for action in Action:
+            for result in ("applied", "missing", "skipped"):
+                self.steer_blocks.labels(action.label, result)
 
     def watch(self, snapshot: Snapshot, sessions: Callable[[], int], disk_snapshot: DiskSnapshot,
               bandwidth_snapshot: BandwidthSnapshot, cluster_snapshot: ClusterSnapshot) -> None:
@@ -395,6 +404,12 @@ class Metrics:
     def register_refused(self, code: str) -> None:
         """A Register call refused with this gRPC status code name."""
         self.register_rejected.labels(REGISTER_REJECT_REASONS.get(code, "other")).inc()
+
+    def steered(self, action: Action, result: SteerResult) -> None:
+        """A Steer request answered (either transport)."""
+        for name, count in (("applied", result.applied), ("missing", result.missing), ("skipped", result.skipped)):
+            if count:
+                self.steer_blocks.labels(action.label, name).inc(count)
 
     def local_connection_refused(self, socket: str, reason: str) -> None:
         """A local socket's listener refused or dropped a connection (kvtier.server.listener)."""

@@ -20,6 +20,8 @@ from typing import TypeVar
 from kvtier_client import protocol
 from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import LeaseId
+from kvtier_client.protocol import Steer
+from kvtier_client.steering import Action, SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import tier_to_proto
 
@@ -44,6 +46,11 @@ def wait_timeout(wait: int, deadline_ms: int) -> float | None:
 def split_tokens(token_ids: Sequence[int], keys: int, block_tokens: int) -> list[tuple[int, ...]]:
     """A commit's flat token ids as one tuple per key (what the store keeps on each block)."""
     return _checked(protocol.split_token_ids, token_ids, keys, block_tokens)
+
+
+def steer_of(action: int, mode: int, ttl: float, priority: int, tier: int) -> Steer:
+    """A Steer request's numbers (either transport) as the Steer they ask for."""
+    return _checked(protocol.read_steer, action, mode, ttl, priority, tier)
 
 
 def _checked(rule: Callable[..., T], *args, **kwargs) -> T:
@@ -128,3 +135,19 @@ class HotOps:
         s = session()
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
         return s.pool.store.prefetch(s.session_id, s.namespace, keys, tier_of(tier, s.pool), priority)
+
+    def steer(self, session: Resolve, steer: Steer, keys: list[bytes]) -> SteerResult:
+        """A cache-control hint on `keys`, in the session's namespace and pool only. Pins and
+        retains without a TTL belong to the session (they end with it)."""
+        self.drain.check_open()
+        s = session()
+        control, action = s.pool.store.control, steer.action
+        if action is Action.PIN:
+            return control.pin(s.session_id, s.namespace, keys, steer.mode, steer.ttl)
+        if action is Action.RETAIN:
+            return control.retain(s.session_id, s.namespace, keys, steer.priority, steer.ttl)
+        if action is Action.UNPIN:
+            return control.unpin(s.namespace, keys)
+        if action is Action.DEMOTE:
+            return control.demote(s.namespace, keys, steer.tier)
+        return control.drop(s.namespace, keys)

@@ -30,7 +30,7 @@ from kvtier.server.explain import Explainer
 from kvtier.server.groups import lookup_groups
 from kvtier.server.metrics import Metrics
 from kvtier.server.namespaces import NamespaceGate
-from kvtier.server.ops import HotOps, grant_fields
+from kvtier.server.ops import HotOps, grant_fields, steer_of
 from kvtier.server.pieces import PieceOrder
 from kvtier.server.pools import PoolRegistry
 from kvtier.server.sessions import Caller, Session, SessionManager
@@ -262,6 +262,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
         s = self._resolver(request.session_id, context)
         return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority))
+
+    @_rpc
+    def Steer(self, request, context) -> pb.SteerResponse:
+        steer = steer_of(request.action, request.pin_mode, request.ttl_seconds, request.priority, request.tier)
+        result = self.ops.steer(self._resolver(request.session_id, context), steer, list(request.keys))
+        self.metrics.steered(steer.action, result)
+        return pb.SteerResponse(applied=result.applied, missing=result.missing, skipped=result.skipped, note=result.note)
 
     @_rpc
     def Stats(self, request, context) -> pb.StatsResponse:

@@ -30,6 +30,28 @@ class GroupMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GROUP_WINDOW: _ClassVar[GroupMode]
     GROUP_STATE: _ClassVar[GroupMode]
 
+class SteerAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEER_ACTION_UNSPECIFIED: _ClassVar[SteerAction]
+    STEER_ACTION_PIN: _ClassVar[SteerAction]
+    STEER_ACTION_UNPIN: _ClassVar[SteerAction]
+    STEER_ACTION_RETAIN: _ClassVar[SteerAction]
+    STEER_ACTION_DEMOTE: _ClassVar[SteerAction]
+    STEER_ACTION_DROP: _ClassVar[SteerAction]
+
+class PinMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PIN_MODE_UNSPECIFIED: _ClassVar[PinMode]
+    PIN_MODE_SOFT: _ClassVar[PinMode]
+    PIN_MODE_HARD: _ClassVar[PinMode]
+
+class RetainPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETAIN_PRIORITY_UNSPECIFIED: _ClassVar[RetainPriority]
+    RETAIN_PRIORITY_COLD: _ClassVar[RetainPriority]
+    RETAIN_PRIORITY_NORMAL: _ClassVar[RetainPriority]
+    RETAIN_PRIORITY_HIGH: _ClassVar[RetainPriority]
+
 class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BLOCK_STATE_UNSPECIFIED: _ClassVar[BlockState]
@@ -59,6 +81,19 @@ GROUP_MODE_UNSPECIFIED: GroupMode
 GROUP_FULL: GroupMode
 GROUP_WINDOW: GroupMode
 GROUP_STATE: GroupMode
+STEER_ACTION_UNSPECIFIED: SteerAction
+STEER_ACTION_PIN: SteerAction
+STEER_ACTION_UNPIN: SteerAction
+STEER_ACTION_RETAIN: SteerAction
+STEER_ACTION_DEMOTE: SteerAction
+STEER_ACTION_DROP: SteerAction
+PIN_MODE_UNSPECIFIED: PinMode
+PIN_MODE_SOFT: PinMode
+PIN_MODE_HARD: PinMode
+RETAIN_PRIORITY_UNSPECIFIED: RetainPriority
+RETAIN_PRIORITY_COLD: RetainPriority
+RETAIN_PRIORITY_NORMAL: RetainPriority
+RETAIN_PRIORITY_HIGH: RetainPriority
 BLOCK_STATE_UNSPECIFIED: BlockState
 BLOCK_CACHED: BlockState
 BLOCK_NEVER_STORED: BlockState
@@ -347,6 +382,36 @@ class PrefetchResponse(_message.Message):
     accepted: int
     def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
+class SteerRequest(_message.Message):
+    __slots__ = ("session_id", "action", "keys", "pin_mode", "ttl_seconds", "priority", "tier")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_MODE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    action: SteerAction
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pin_mode: PinMode
+    ttl_seconds: float
+    priority: RetainPriority
+    tier: Tier
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[SteerAction, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin_mode: _Optional[_Union[PinMode, str]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[_Union[RetainPriority, str]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class SteerResponse(_message.Message):
+    __slots__ = ("applied", "missing", "skipped", "note")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    missing: int
+    skipped: int
+    note: str
+    def __init__(self, applied: _Optional[int] = ..., missing: _Optional[int] = ..., skipped: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -412,7 +477,7 @@ class NamespaceTierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., guaranteed_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "tiers", "lookup_blocks", "miss_blocks", "misses")
+    __slots__ = ("namespace", "tiers", "lookup_blocks", "miss_blocks", "misses", "hints")
     class MissesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -425,12 +490,30 @@ class NamespaceStats(_message.Message):
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tiers: _containers.RepeatedCompositeFieldContainer[NamespaceTierStats]
     lookup_blocks: int
     miss_blocks: int
     misses: _containers.ScalarMap[str, int]
-    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    hints: HintStats
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ..., hints: _Optional[_Union[HintStats, _Mapping]] = ...) -> None: ...
+
+class HintStats(_message.Message):
+    __slots__ = ("hard_pinned", "soft_pinned", "high", "cold", "next_expiry_seconds", "hard_pin_limit")
+    HARD_PINNED_FIELD_NUMBER: _ClassVar[int]
+    SOFT_PINNED_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
+    NEXT_EXPIRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HARD_PIN_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    hard_pinned: int
+    soft_pinned: int
+    high: int
+    cold: int
+    next_expiry_seconds: float
+    hard_pin_limit: int
+    def __init__(self, hard_pinned: _Optional[int] = ..., soft_pinned: _Optional[int] = ..., high: _Optional[int] = ..., cold: _Optional[int] = ..., next_expiry_seconds: _Optional[float] = ..., hard_pin_limit: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces", "history_entries", "history_limit", "history_bytes")
@@ -487,7 +570,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class BlockExplanation(_message.Message):
-    __slots__ = ("index", "state", "tier", "seconds_ago", "policy", "pool_id", "own_pressure")
+    __slots__ = ("index", "state", "tier", "seconds_ago", "policy", "pool_id", "own_pressure", "hint")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +578,7 @@ class BlockExplanation(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     OWN_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     index: int
     state: BlockState
     tier: Tier
@@ -502,7 +586,8 @@ class BlockExplanation(_message.Message):
     policy: str
     pool_id: str
     own_pressure: bool
-    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[BlockState, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., seconds_ago: _Optional[float] = ..., policy: _Optional[str] = ..., pool_id: _Optional[str] = ..., own_pressure: _Optional[bool] = ...) -> None: ...
+    hint: str
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[BlockState, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., seconds_ago: _Optional[float] = ..., policy: _Optional[str] = ..., pool_id: _Optional[str] = ..., own_pressure: _Optional[bool] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("blocks", "hit_blocks", "hashings")

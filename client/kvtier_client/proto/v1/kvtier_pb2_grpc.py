@@ -90,6 +90,11 @@ class KVTierStub:
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.Steer = channel.unary_unary(
+                '/kvtier.v1.KVTier/Steer',
+                request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerRequest.SerializeToString,
+                response_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvtier.v1.KVTier/Stats',
                 request_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
@@ -186,6 +191,12 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -273,6 +284,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
                     response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'Steer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Steer,
+                    request_deserializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerRequest.FromString,
+                    response_serializer=kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -597,6 +613,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Prefetch',
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
             kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Steer',
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerRequest.SerializeToString,
+            kvtier__client_dot_proto_dot_v1_dot_kvtier__pb2.SteerResponse.FromString,
             options,
             channel_credentials,
             insecure,
