@@ -39,6 +39,8 @@ from kvtier.codecs import CodecChoice
 from kvtier.core import BlockState, MissReason, Quota
 from kvtier.core.chunks import chunks_in
 from kvtier.core.invariants import check_guarantees_kept, check_quotas_kept
+from kvtier.policy.classes import Rank
+from kvtier_client.steering import PinMode, Priority
 from kvtier.mechanism.directio import aligned_buffer
 from kvtier.server.config import default_tiers
 from kvtier.server.pools import Pool
@@ -76,6 +78,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.corrupt: set[tuple[str, bytes, int]] = set()  # (ns, key, seq) of rotten disk pages
         self.version = itertools.count()
         self.disk_failing = False
+        self.pinned_host: set[tuple[str, bytes]] = set()  # hard-pinned refs with a host copy, at the last step
 
     # -- set-up and teardown --------------------------------------------------
     @initialize(policy=st.sampled_from(["lru", "prefix", "frecency"]), write_through=st.booleans(),
@@ -427,6 +430,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert not [n for n in os.listdir(SHM_DIR) if self.prefix in n]
         self.pool = Pool(LAYOUT, self.config, codecs=self.codecs)
         self.store.set_quotas(self.quotas)
+        self.pool.hints.restore()  # hints with a TTL come back on the blocks that did
+        self.pinned_host.clear()  # a restart brings pages back on disk only
         after = set(self.store.blocks)
         assert after <= before
         # DISK_PAGES pages stored as they are fill the disk; encoded ones may leave room for more.
@@ -438,6 +443,39 @@ class StoreMachine(RuleBasedStateMachine):
         assert all(set(b.copies) == {Tier.DISK} for b in self.store.blocks.values())
         self.leases.clear()
         self.ended.clear()  # lease ids start again at 1 in the new store
+
+    @rule(session=st.sampled_from(SESSIONS), namespace=st.sampled_from(NAMESPACES), keys=keys_st,
+          how=st.sampled_from([PinMode.HARD, PinMode.SOFT, Priority.HIGH, Priority.COLD, "unpin"]),
+          ttl=st.sampled_from([0, 600]))
+    def hint(self, session, namespace, keys, how, ttl):
+        """Pins and retains: a hard pin past the namespace's guarantee is refused, changing nothing."""
+        control = self.store.control
+        if not keys:
+            return
+        if how == "unpin":
+            control.unpin(namespace, keys)
+        elif isinstance(how, Priority):
+            control.retain(session, namespace, keys, how, ttl)
+        elif how is PinMode.SOFT:
+            control.pin(session, namespace, keys, how, ttl)
+        else:
+            refs = {(namespace, k) for k in keys if (namespace, k) in self.store.blocks}
+            new = sum(1 for r in refs if control.hints.rank(r) is not Rank.HARD_PIN)
+            quota = self.quotas.get(namespace)
+            if control.hints.hard_pins(namespace) + new > (quota.guaranteed_host_pages if quota else 0):
+                self.refused(lambda: control.pin(session, namespace, keys, how, ttl), CapacityError, FailedPrecondition)
+            else:
+                with self.request_of(namespace):
+                    control.pin(session, namespace, keys, how, ttl)
+
+    @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st, drop=st.booleans())
+    def demote_or_drop(self, namespace, keys, drop):
+        """Demote to disk (host pages written first) or drop: blocks in use are skipped."""
+        if not keys:
+            return
+        with self.request_of(namespace):
+            result = (self.store.control.drop if drop else self.store.control.demote)(namespace, keys)
+        assert result.applied + result.skipped + result.missing == len(set(keys))
 
     @rule(namespace=st.sampled_from(NAMESPACES), over=st.sampled_from(["guarantee above max", "guarantees above capacity"]))
     def set_bad_quotas(self, namespace, over):
@@ -461,6 +499,18 @@ class StoreMachine(RuleBasedStateMachine):
         check(self.pool)
         check_quotas_kept(self.store)
         assert set(self.store.leases) == set(self.leases)
+
+    @invariant()
+    def hard_pinned_host_copies_stay(self):
+        """No pressure evicts a hard-pinned host copy: one that was in host at the last step
+        and is still hard-pinned is still there."""
+        if self.pool is None:
+            return
+        blocks, hints = self.store.blocks, self.store.control.hints
+        for ref in self.pinned_host:
+            if hints.rank(ref) is Rank.HARD_PIN:
+                assert Tier.HOST in blocks[ref].copies, f"hard-pinned {ref} left host"
+        self.pinned_host = {ref for ref, h in hints.hints.items() if h.rank is Rank.HARD_PIN and Tier.HOST in blocks[ref].copies}
 
     @invariant()
     def read_leases_see_committed_bytes(self):
