@@ -8,6 +8,8 @@ daemon's core use; docs/cache-control.md has the rules.
     unpin    back to normal
     demote   move the prefix's pages below `tier` now (host -> disk)
     drop     forget the prefix in this node's tiers now
+    prefetch (KVTierClient.prefetch, its own call) with a deadline: the pages are held
+             in host until then
 
 A pin or retain lasts `ttl` seconds; with ttl 0 it lasts until unpinned or until the
 session that set it ends. A hint with a TTL outlives its session and a warm restart.
@@ -19,6 +21,9 @@ from dataclasses import dataclass
 
 #: The longest TTL a hint may ask for: a week. Longer is a configuration, not a hint.
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
+#: The longest a prefetch may ask its pages to be held (its deadline): ten minutes. A
+#: longer wait is a pin's.
+MAX_PREFETCH_HOLD = 600.0
 
 
 class Action(enum.IntEnum):

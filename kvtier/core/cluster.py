@@ -63,7 +63,7 @@ class ClusterCopies:
         return blocks
 
     def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
-                 priority: int) -> int:
+                 priority: int, hold: float = 0.0) -> int:
         """Prefetch keys the cluster holds, up to the first one this node has meanwhile;
         returns how many loads started (0 when the queue is full or no room can be made)."""
         keys = keys[: self.remote.prefetch_room()]
@@ -75,6 +75,8 @@ class ClusterCopies:
         except CapacityError:
             return 0
         self.index.stop_waiting(blocks, Tier.HOST)  # nobody waits: the hold protects them once loaded
+        for block in blocks:
+            block.copies[Tier.HOST].job.hold = hold
         return len(blocks)
 
     # -- writes -----------------------------------------------------------------

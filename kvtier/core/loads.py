@@ -112,7 +112,7 @@ class Loads:
             state = index.tiers[Tier.HOST]
             if ok:
                 block.in_cluster = block.in_cluster or not from_disk
-                index.hold(block, Tier.HOST, time.monotonic() + self.prefetch_hold)
+                index.hold(block, Tier.HOST, time.monotonic() + (job.hold or self.prefetch_hold))
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
                 entry = block.entry(Tier.HOST)

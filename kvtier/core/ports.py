@@ -91,6 +91,7 @@ class LoadJob:
     started: bool = False
     cancelled: bool = False
     source: Tier = Tier.DISK  # DISK or CLUSTER
+    hold: float = 0.0  # prefetches: keep the loaded page this long (seconds; 0: the pool's prefetch_hold)
 
 
 class Transfer(Protocol):

@@ -18,12 +18,14 @@ written to disk, outside the lock, and then the call runs again from the start.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier_client.errors import CapacityError, InvalidArgument, NotFound
 from kvtier_client.ids import SessionId
+from kvtier_client.steering import MAX_PREFETCH_HOLD
 from kvtier_client.tiers import Tier
 
 from kvtier.core.cluster import ClusterCopies
@@ -248,7 +250,8 @@ class Reads:
         return self._run(attempt)
 
     # -- prefetch -------------------------------------------------------------------
-    def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier, priority: int) -> int:
+    def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier, priority: int,
+                 hold: float = 0.0) -> int:
         """(kvtier.core.store.BlockStore.prefetch says what.)"""
         check_namespace(namespace)
         check_keys(keys)
@@ -257,19 +260,25 @@ class Reads:
                 f"prefetch into {tier.label} is not available: prefetch loads pages into host; "
                 "acquire into device promotes them from there"
             )
-        accepted, complete = self._run(lambda: self._prefetch_local(session, namespace, keys, priority))
+        if not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_PREFETCH_HOLD:
+            raise InvalidArgument(f"a prefetch's deadline must be 0 (the daemon's prefetch_hold) to "
+                                  f"{MAX_PREFETCH_HOLD:.0f} seconds, got {hold!r}")
+        accepted, complete = self._run(lambda: self._prefetch_local(session, namespace, keys, priority, hold))
         if not complete or accepted == len(keys) or self.cluster is None:
             return accepted
         rest = keys[accepted:]
         found = self.cluster.present(namespace, rest)
         if found:
             parent = keys[accepted - 1] if accepted else None
-            accepted += self._run(lambda: self.cluster.prefetch(session, namespace, rest[:found], parent, priority))
+            accepted += self._run(lambda: self.cluster.prefetch(session, namespace, rest[:found], parent, priority, hold))
         return accepted
 
-    def _prefetch_local(self, session: SessionId, namespace: str, keys: list[bytes], priority: int) -> tuple[int, bool]:
-        """(leading keys accepted, whether it stopped only because a key is not cached here)."""
+    def _prefetch_local(self, session: SessionId, namespace: str, keys: list[bytes], priority: int,
+                        hold: float) -> tuple[int, bool]:
+        """(leading keys accepted, whether it stopped only because a key is not cached here).
+        With `hold`, pages already in host are held that long too, and loaded ones once loaded."""
         room = self.ports.disk.prefetch_room() if self.ports.disk is not None else 0
+        until = time.monotonic() + hold
         accepted = 0
         for key in keys:
             block = self.index.blocks.get((namespace, key))
@@ -284,5 +293,10 @@ class Reads:
                     break
                 block.copies[Tier.HOST].waiters -= 1  # nobody waits: the hold protects it once loaded
                 room -= 1
+            copy = block.copies[Tier.HOST]
+            if hold and copy.job is not None:
+                copy.job.hold = max(copy.job.hold, hold)
+            elif hold and not copy.loading and copy.held_until < until:
+                self.index.hold(block, Tier.HOST, until)
             accepted += 1
         return accepted, False

@@ -361,17 +361,19 @@ class BlockStore:
         return self._reads.acquire_prefix(session, namespace, keys, tier, timeout)
 
     def prefetch(
-        self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0
+        self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier = Tier.HOST, priority: int = 0,
+        hold: float = 0.0,
     ) -> int:
         """Start loading the disk-only pages of `keys` into `tier` (and, with a cluster tier,
         the pages after this node's prefix that the cluster holds); returns at once.
 
         A hint, best effort: it stops at the first key that is not cached, when the
         prefetch queue is full (back-pressure) or when no room can be made. A loaded page is
-        held for `prefetch_hold` seconds unless acquired. Returns how many leading keys are
+        held for `hold` seconds (the client's deadline; 0: `prefetch_hold`) unless acquired,
+        and with a `hold` so are those already in host. Returns how many leading keys are
         now in `tier` or on their way (a page already loading counts: loads merge).
         """
-        return self._reads.prefetch(session, namespace, keys, tier, priority)
+        return self._reads.prefetch(session, namespace, keys, tier, priority, hold)
 
     @_locked
     def stop_loads(self) -> None:

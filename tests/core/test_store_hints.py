@@ -199,3 +199,13 @@ def test_no_pressure_evicts_a_hard_pinned_host_copy(steps):
             if op == "end" and ref not in s.control.hints.hints:
                 continue  # the session's pins ended with it
             assert Tier.HOST in s.blocks[ref].copies, f"{op} evicted hard-pinned {ref}"
+
+
+def test_a_prefetch_with_a_deadline_holds_pages_already_in_host_until_then():
+    s = store(host=3, policy=LRUPolicy)
+    put(s, "A", b"a", b"b", b"c")
+    assert s.prefetch(S, "A", [b"a"], hold=60) == 1
+    put(s, "A", b"d", b"e")  # a was the oldest: held, it stays; b and c go
+    assert where(s, "A", Tier.HOST) == {b"a", b"d", b"e"}
+    with pytest.raises(InvalidArgument, match="deadline"):
+        s.prefetch(S, "A", [b"a"], hold=601)
