@@ -10,6 +10,8 @@ restart   engine A stores a request's blocks and is reset (vLLM drains the tier'
           and reads the same bytes back; unknown keys miss; a model of another configuration
           under the same namespace misses too. After each shutdown: the tier's threads, the
           daemon's sessions and vLLM's shared-memory file.
+rates     64 rows of 64 KiB stored by one engine and loaded by a fresh one, timed against
+          one plain copy of the same bytes (figures, no expectations).
 full      another client borrows every host page the daemon has: engine C's store fails as
           a job (nothing raised on the scheduler thread); once the pages are back it stores.
 gone      the daemon is stopped under engine D: lookups miss and stores fail, each
@@ -84,6 +86,34 @@ def restart(target: str) -> dict:
     }
 
 
+def rates(target: str, rows: int = 64) -> dict:
+    """Rows through the tier (an engine's store until vLLM's jobs settle; a fresh engine's
+    lookups until the rows are in its CPU tier) against one plain copy of the same bytes."""
+    stored = blocks(rows, seed=6)
+    source = np.frombuffer(b"".join(stored.values()), dtype=np.uint8)
+    dest = np.empty_like(source)
+    np.copyto(dest, source)  # the baseline copies into memory already faulted in, as kvtier's pages are
+    started = time.perf_counter()
+    np.copyto(dest, source)
+    memcpy = time.perf_counter() - started
+    writer = Engine.start(target, namespace=NAMESPACE, rows=rows + 8)
+    started = time.perf_counter()
+    writer.store("rate-store", stored)
+    writer.settle()
+    store = time.perf_counter() - started
+    writer.shutdown()
+    reader = Engine.start(target, namespace=NAMESPACE, rows=rows + 8)
+    started = time.perf_counter()
+    hits, loaded, answers = reader.load("rate-load", list(stored))
+    load = time.perf_counter() - started
+    reader.shutdown()
+    assert hits == rows and loaded == list(stored.values()), (hits, answers[-1:])
+    mib = source.nbytes / 2**20
+    return {"MiB": mib, "memcpy_MiBps": round(mib / memcpy), "store_MiBps": round(mib / store),
+            "load_MiBps": round(mib / load), "store_vs_memcpy": round(memcpy / store, 4),
+            "load_vs_memcpy": round(memcpy / load, 4), "load_scans": len(answers)}
+
+
 def full(target: str) -> dict:
     c = Engine.start(target, namespace=NAMESPACE)
     with KVTierClient(target) as holder:
@@ -126,7 +156,7 @@ def main() -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--daemon-pid", type=int, required=True, help="stopped by the last check (gone)")
     args = parser.parse_args()
-    out = {"restart": restart(args.target), "full": full(args.target), "gone": gone(args.target, args.daemon_pid)}
+    out = {"restart": restart(args.target), "rates": rates(args.target), "full": full(args.target), "gone": gone(args.target, args.daemon_pid)}
     print(json.dumps(out))
 
 
