@@ -75,6 +75,14 @@ def test_a_store_kvtier_has_no_room_for_fails_as_a_job(checks):
     assert f["after"] == f["refused"] and f["later_hits"] == 2  # stores again once pages are free
 
 
+def test_an_engine_with_a_misspelt_setting_or_no_daemon_does_not_start(checks):
+    r = checks["refused"]
+    assert r["unknown_setting"].startswith("ValueError: kvtier secondary tier: unknown setting(s) ['namspace']"), r
+    assert r["no_daemon"].startswith("RuntimeError: kvtier secondary tier: cannot register namespace"), r
+    assert "Is `kvtier serve` running there" in r["no_daemon"]
+    assert r["threads"] == []
+
+
 def test_a_daemon_gone_means_misses_and_failed_jobs_without_blocking_the_scheduler(checks):
     g = checks["gone"]
     assert g["hits"] == 0 and g["last_scan"] == "MISS"

@@ -14,6 +14,7 @@ rates     64 rows of 64 KiB stored by one engine and loaded by a fresh one, time
           one plain copy of the same bytes (figures, no expectations).
 full      another client borrows every host page the daemon has: engine C's store fails as
           a job (nothing raised on the scheduler thread); once the pages are back it stores.
+refused   an unknown setting and an absent daemon stop the engine's start, saying so.
 gone      the daemon is stopped under engine D: lookups miss and stores fail, each
           scheduler-thread call returning at once, and D still shuts down cleanly.
 """
@@ -133,6 +134,20 @@ def full(target: str) -> dict:
             "end": after_shutdown(c, target)}
 
 
+def refused(target: str) -> dict:
+    """Engines the tier refuses to start: a misspelt setting, a daemon that is not there."""
+    out = {}
+    for case, tier in {"unknown_setting": {"target": target, "namspace": "x"},
+                       "no_daemon": {"target": target + ".absent", "connect_timeout": 0.5}}.items():
+        try:
+            Engine.start(tier.pop("target"), **tier).shutdown()
+            out[case] = "started"
+        except (ValueError, RuntimeError) as exc:
+            out[case] = f"{type(exc).__name__}: {exc}"
+    out["threads"] = tier_threads()
+    return out
+
+
 def gone(target: str, daemon_pid: int) -> dict:
     e = Engine.start(target, namespace=NAMESPACE, connect_timeout=2.0)
     e.call_seconds.clear()
@@ -156,7 +171,7 @@ def main() -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--daemon-pid", type=int, required=True, help="stopped by the last check (gone)")
     args = parser.parse_args()
-    out = {"restart": restart(args.target), "rates": rates(args.target), "full": full(args.target), "gone": gone(args.target, args.daemon_pid)}
+    out = {"restart": restart(args.target), "rates": rates(args.target), "full": full(args.target), "refused": refused(args.target), "gone": gone(args.target, args.daemon_pid)}
     print(json.dumps(out))
 
 
