@@ -26,6 +26,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from kvtier.core.control import DROP_HINT
 from kvtier.server.config import default_socket
 from kvtier.units import parse_duration, parse_size
 
@@ -44,20 +45,25 @@ def _read_pem(path: str, flag: str) -> bytes:
         raise click.ClickException(f"cannot read {flag} {path} ({exc.strerror})") from None
 
 
+def tls_config(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> TLSConfig | None:
+    """--tls-ca, --tls-cert and --tls-key as the client's TLSConfig; None without them."""
+    if bool(tls_cert) != bool(tls_key):
+        raise click.ClickException("--tls-cert and --tls-key go together (a client certificate for mutual TLS)")
+    if not (tls_ca or tls_cert):
+        return None
+    return TLSConfig(
+        root_certificates=_read_pem(tls_ca, "--tls-ca") if tls_ca else None,
+        certificate_chain=_read_pem(tls_cert, "--tls-cert") if tls_cert else None,
+        private_key=_read_pem(tls_key, "--tls-key") if tls_key else None,
+    )
+
+
 def connect(socket: str | None, target: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
             token: str | None = None) -> Connection:
     """The client's Connection to the daemon at --socket or --target, every call carrying
     --token: plaintext to a Unix socket, or to a TCP daemon without TLS options; TLS (mutual
     with --tls-cert/--tls-key) with them. Calls through `_ask` are tried once, for 5 s."""
-    if bool(tls_cert) != bool(tls_key):
-        raise click.ClickException("--tls-cert and --tls-key go together (a client certificate for mutual TLS)")
-    tls = None
-    if tls_ca or tls_cert:
-        tls = TLSConfig(
-            root_certificates=_read_pem(tls_ca, "--tls-ca") if tls_ca else None,
-            certificate_chain=_read_pem(tls_cert, "--tls-cert") if tls_cert else None,
-            private_key=_read_pem(tls_key, "--tls-key") if tls_key else None,
-        )
+    tls = tls_config(tls_ca, tls_cert, tls_key)
     try:
         return Connection(_target(socket, target), token=token, tls=tls, insecure=tls is None, timeout=5.0)
     except ValueError as exc:  # TLS options with a Unix socket
@@ -294,6 +300,22 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
     return rows
 
 
+_HINT_COLUMNS = ["namespace", "hard pinned", "soft pinned", "retained high", "retained cold", "hard-pin limit",
+                 "next TTL end"]
+
+
+def _hint_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
+    """One row per namespace that has clients' hints in the pool (`kvtier cache`)."""
+    rows = []
+    for ns in pool.namespaces:
+        h = ns.hints
+        if h.hard_pinned or h.soft_pinned or h.high or h.cold:
+            rows.append((ns.namespace, str(h.hard_pinned), str(h.soft_pinned), str(h.high), str(h.cold),
+                         str(h.hard_pin_limit or "-"),
+                         f"in {h.next_expiry_seconds:.0f} s" if h.next_expiry_seconds else "no TTL"))
+    return rows
+
+
 _TIER_COLUMNS = ["tier", "capacity", "used", "leased", "cached", "loading", "held", "hit rate", "evicted", "promoted",
                  "demoted", "refused", "moved in", "corrupt", "io errors", "read/s", "raw", "stored", "ratio"]
 #: Where a narrow terminal splits the tier table first: what the tier holds | what moved | its bytes.
@@ -343,6 +365,8 @@ def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
         parts.append(SplitTable(_TIER_COLUMNS, _tier_rows(pool), sections=_TIER_SECTIONS, plain=plain))
         if pool.namespaces:
             parts.append(SplitTable(_NAMESPACE_COLUMNS, _namespace_rows(pool), keys=2, left=2, text_last=True, plain=plain))
+        if hints := _hint_rows(pool):
+            parts.append(SplitTable(_HINT_COLUMNS, hints, plain=plain))
     return Group(*parts)
 
 
@@ -570,8 +594,11 @@ def _describe(block: BlockExplanation, other_algorithm: str | None) -> str:
     """One block's state in words."""
     where = block.tier.label if block.tier is not None else "?"
     reason = block.reason
+    hint = f"; {block.hint}" if block.hint else ""
     if reason is BlockReason.CACHED:
-        return f"cached in {where}"
+        return f"cached in {where}{hint}"
+    if reason is BlockReason.EVICTED and block.policy == DROP_HINT:
+        return f"dropped from {where} {block.seconds_ago:.0f} s ago by {DROP_HINT} (kvtier cache drop, or a client's drop)"
     if reason is BlockReason.EVICTED:
         whose = "own pressure" if block.own_pressure else "another namespace's pressure"
         return f"evicted from {where} {block.seconds_ago:.0f} s ago by {block.policy or '?'} ({whose})"
@@ -580,7 +607,7 @@ def _describe(block: BlockExplanation, other_algorithm: str | None) -> str:
     if reason is BlockReason.OTHER_LAYOUT:
         return f"cached in another layout {block.pool_id} ({where})"
     if reason is BlockReason.BEYOND_PREFIX:
-        return f"cached in {where}, but beyond the longest cached prefix"
+        return f"cached in {where}, but beyond the longest cached prefix{hint}"
     if other_algorithm is not None:
         return f"committed under another hash fingerprint ({other_algorithm})"
     return "never stored"
@@ -630,7 +657,8 @@ def why_json(why: Why) -> dict:
     blocks = [
         {"index": b.index, "key": why.keys[b.index].hex(), "state": b.reason.value,
          "tier": b.tier.label if b.tier is not None else None, "pool_id": b.pool_id, "seconds_ago": b.seconds_ago,
-         "policy": b.policy, "own_pressure": b.own_pressure, "other_algorithm": why.other_algorithm.get(b.index)}
+         "policy": b.policy, "own_pressure": b.own_pressure, "hint": b.hint,
+         "other_algorithm": why.other_algorithm.get(b.index)}
         for b in ex.blocks
     ]
     return {"namespace": why.namespace, "hit_blocks": ex.hit_blocks, "blocks": blocks,

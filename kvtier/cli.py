@@ -29,6 +29,7 @@ from kvtier.policy import PolicyName
 from kvtier.replay.codec import CODECS, DEFAULT_LAYOUT, IDENTITY, codec_ratio, describe, parse_layout
 from kvtier.replay.mooncake import halfway, read_timed_trace, replay
 from kvtier.server.cli import serve
+from kvtier.steer_cli import cache
 
 
 def _version(distribution: str) -> str:
@@ -103,6 +104,7 @@ def main() -> None:
 
 main.add_command(serve)
 main.add_command(stats)
+main.add_command(cache)
 main.add_command(health_check)
 main.add_command(keeper)
 # demo's own module says what it does; the listing's one line and the example are the CLI's.

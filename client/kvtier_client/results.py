@@ -206,13 +206,14 @@ class BlockExplanation:
     seconds_ago: float = 0.0  # EVICTED, CORRUPT
     policy: str = ""  # EVICTED: the eviction policy that chose it
     own_pressure: bool = False  # EVICTED: to make room for this namespace (else another one)
+    hint: str = ""  # CACHED, BEYOND_PREFIX: the client hint that ranks it (a pin, a retain), in words
 
     @classmethod
     def from_proto(cls, m: pb.BlockExplanation) -> "BlockExplanation":
         if m.state not in _REASONS:
             raise ValueError(f"block state {m.state} is not a known kvtier.v1.BlockState; is the daemon newer than this client?")
         tier = tier_from_proto(m.tier) if m.tier != pb.TIER_UNSPECIFIED else None
-        return cls(m.index, _REASONS[m.state], tier, m.pool_id, m.seconds_ago, m.policy, m.own_pressure)
+        return cls(m.index, _REASONS[m.state], tier, m.pool_id, m.seconds_ago, m.policy, m.own_pressure, m.hint)
 
 
 @dataclass(frozen=True)

@@ -80,4 +80,5 @@ def _block(status: BlockStatus, pool_id: str, answers: dict[str, Explanation]) -
         index=status.index, state=BLOCK_STATES[status.state],
         tier=tier_to_proto(status.tier) if status.tier is not None else pb.TIER_UNSPECIFIED,
         seconds_ago=status.seconds_ago, policy=status.policy, pool_id=pool_id, own_pressure=status.own_pressure,
+        hint=status.hint,
     )

@@ -157,8 +157,18 @@ class _NamespaceCollector:
             "kvtier_misses", f"Looked-up blocks not served, by reason: {', '.join(r.value for r in MissReason)}.",
             labels=["pool", "kvtier_namespace", "reason"],
         )
+        hinted = GaugeMetricFamily(
+            "kvtier_hinted_blocks", "A namespace's blocks under a client's cache-control hint, by class: hard and soft "
+            "(pinned), high and cold (retained).", labels=["pool", "kvtier_namespace", "class"])
+        expiry = GaugeMetricFamily(
+            "kvtier_hint_next_expiry_seconds", "Seconds until a namespace's first hint with a TTL ends; 0: none has one.",
+            labels=["pool", "kvtier_namespace"])
         for pool, stats in self._snapshot():
             for ns in stats.namespaces:
+                usage = pool.store.control.usage(ns.namespace)
+                for kind in ("hard", "soft", "high", "cold"):
+                    hinted.add_metric([pool.pool_id, ns.namespace, kind], getattr(usage, kind))
+                expiry.add_metric([pool.pool_id, ns.namespace], usage.next_expiry_seconds)
                 for reason, count in sorted(ns.misses.items()):
                     if count:
                         misses.add_metric([pool.pool_id, ns.namespace, reason], count)
@@ -170,7 +180,7 @@ class _NamespaceCollector:
                     for kind, value in (("max", t.max_pages), ("guaranteed", t.guaranteed_pages)):
                         if value:  # 0 = no quota
                             quotas.add_metric([*lv, kind], value)
-        yield from (pages, quotas, hits, evictions, misses)
+        yield from (pages, quotas, hits, evictions, misses, hinted, expiry)
 
 
 class _MemoryCollector:

@@ -16,6 +16,7 @@ from kvtier_client.keys import ALGORITHMS, hash_fingerprint
 from kvtier_client.layout import PageLayout
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.proto.v1 import kvtier_pb2_grpc
+from kvtier_client.steering import PinUsage
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import layout_to_proto, tier_to_proto
 
@@ -112,7 +113,12 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
     ]
 
 
-def namespace_stats_pb(usage: NamespaceUsage) -> pb.NamespaceStats:
+def hint_stats_pb(usage: PinUsage) -> pb.HintStats:
+    return pb.HintStats(hard_pinned=usage.hard, soft_pinned=usage.soft, high=usage.high, cold=usage.cold,
+                        next_expiry_seconds=usage.next_expiry_seconds, hard_pin_limit=usage.hard_limit)
+
+
+def namespace_stats_pb(usage: NamespaceUsage, hints: PinUsage) -> pb.NamespaceStats:
     return pb.NamespaceStats(
         namespace=usage.namespace,
         tiers=[
@@ -121,6 +127,7 @@ def namespace_stats_pb(usage: NamespaceUsage) -> pb.NamespaceStats:
             for t in usage.tiers
         ],
         lookup_blocks=usage.lookup_blocks, miss_blocks=usage.miss_blocks, misses=usage.misses,
+        hints=hint_stats_pb(hints),
     )
 
 
@@ -287,7 +294,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
                     layout=layout_to_proto(pool.layout),
                     page_bytes=pool.layout.page_bytes, tiers=tier_stats_pb(stats, pool.bandwidth),
                     lookup_blocks=stats.lookup_blocks, miss_blocks=stats.miss_blocks,
-                    namespaces=[namespace_stats_pb(ns) for ns in stats.namespaces if self.auth.grants(token, ns.namespace)],
+                    namespaces=[namespace_stats_pb(ns, pool.store.control.usage(ns.namespace))
+                                for ns in stats.namespaces if self.auth.grants(token, ns.namespace)],
                     history_entries=stats.history_entries, history_limit=stats.history_limit,
                     history_bytes=stats.history_bytes,
                 )
