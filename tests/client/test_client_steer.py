@@ -4,6 +4,7 @@ past the namespace's guarantee, a hard pin bringing a disk-only prefix into host
 that end with the client or outlive it, and a namespace that cannot touch another's keys."""
 from __future__ import annotations
 
+import socket
 import textwrap
 import time
 
@@ -35,7 +36,12 @@ def steer_daemon(tmp_path_factory):
         [namespaces.a]
         guaranteed_host_pages = {GUARANTEE}
     """))
-    d = start_daemon(base, "--tokens-file", str(path), host_size="256KiB", disk_size="2MiB")
+    with socket.socket() as probe:  # a free port for the TCP listener (remote clients)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = start_daemon(base, "--tokens-file", str(path), "--tcp", f"127.0.0.1:{port}", "--insecure",
+                     host_size="256KiB", disk_size="2MiB")
+    d.tcp = f"127.0.0.1:{port}"
     try:
         yield d
     finally:
@@ -151,3 +157,16 @@ def test_another_namespace_can_neither_see_nor_touch_the_keys(steer_daemon):
             result = call(keys)
             assert (result.applied, result.missing) == (0, 3), result
         assert owner.lookup(keys).tiers == (Tier.HOST,) * 3 and hints(owner, keys) == ["", "", ""]
+
+
+def test_a_remote_client_steers_over_grpc(steer_daemon):
+    """A client on another host (TCP, nothing mapped) has no lane: its hints go over gRPC."""
+    with client(steer_daemon, B, "b") as local:
+        keys = put(local, 800, 2)
+        with KVTierClient(steer_daemon.tcp, token=B, insecure=True, map_arena=False, timeout=10.0) as remote:
+            remote.register("b", LAYOUT)
+            assert remote.transport == "grpc"
+            assert remote.pin(keys, ttl=60) == SteerResult(2, 0, 0, "")
+            assert remote.drop(keys[1:]).applied == 1
+        assert hints(local, keys[:1])[0].startswith("soft pin by session")
+        assert local.lookup(keys).hit_blocks == 1
