@@ -34,7 +34,8 @@ from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
-    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
+    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, InvalidArgument, KVTierError, NotFound, PermissionDenied,
+    Unavailable,
     from_status,
 )
 from kvtier_client.events import EventStream
@@ -51,7 +52,7 @@ from kvtier_client.protocol import (
     PAGE_PIECE_BYTES, Granted, Steer, Wait, check_lent_tier, check_token_ids, wait_request,
 )
 from kvtier_client.results import CommitResult, Explanation, LookupResult, PoolInfo, Stats
-from kvtier_client.steering import Action, PinMode, Priority, SteerResult
+from kvtier_client.steering import MAX_PREFETCH_HOLD, Action, PinMode, Priority, SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto
@@ -459,9 +460,14 @@ class KVTierClient:
 
         return GroupLookup.from_proto(self._in_session(call))
 
-    def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0) -> int:
-        """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted."""
-        return self._in_session(lambda s: s.path.prefetch(keys, tier, priority))
+    def prefetch(self, keys: Sequence[BlockKey], *, tier: Tier = Tier.HOST, priority: int = 0,
+                 hold: float = 0.0) -> int:
+        """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted.
+        `hold`: the engine's deadline, in seconds (up to MAX_PREFETCH_HOLD): the pages, and those
+        already in host, stay there until then (0: the daemon's prefetch_hold)."""
+        if not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_PREFETCH_HOLD:
+            raise InvalidArgument(f"hold must be 0 to {MAX_PREFETCH_HOLD:.0f} seconds, got {hold!r}")
+        return self._in_session(lambda s: s.path.prefetch(keys, tier, priority, hold))
 
     # -- cache control (docs/cache-control.md) ----------------------------------
     # Hints on this session's namespace and pool, counted per key: applied, missing (not

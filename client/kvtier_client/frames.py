@@ -34,6 +34,8 @@ NO_REPLY = 0x1
 #: Request flag: the blocks' token ids follow the key block (Commit only).
 TOKENS = 0x2
 CHECKSUMS = 0x4  # a commit carries each page's xxh3-64 after its token ids
+#: Request flag: a u32 hold in milliseconds follows tier and priority (Prefetch only).
+HOLD = 0x8
 
 
 class Op(enum.IntEnum):
@@ -251,18 +253,23 @@ def release(seq: int, lease_id: int, *, reply: bool) -> bytes:
     return header(Op.RELEASE, seq, 0 if reply else NO_REPLY) + _U64.pack(lease_id)
 
 
-def prefetch(seq: int, keys: Sequence[bytes], tier: int, priority: int) -> bytes:
-    return header(Op.PREFETCH, seq) + _PREFETCH.pack(tier, priority & 0xFFFFFFFF) + pack_keys(keys)
+def prefetch(seq: int, keys: Sequence[bytes], tier: int, priority: int, hold: float = 0.0) -> bytes:
+    head = _PREFETCH.pack(tier, priority & 0xFFFFFFFF)
+    if hold:
+        return header(Op.PREFETCH, seq, HOLD) + head + _U32.pack(round(hold * 1000)) + pack_keys(keys)
+    return header(Op.PREFETCH, seq) + head + pack_keys(keys)
 
 
-def read_prefetch(body: memoryview) -> tuple[int, int, list[bytes]]:
-    """(tier, priority, keys)"""
-    if len(body) < _PREFETCH.size:
-        raise FrameError("a prefetch starts with tier and priority")
+def read_prefetch(body: memoryview, flags: int = 0) -> tuple[int, int, float, list[bytes]]:
+    """(tier, priority, hold in seconds, keys)"""
+    size = _PREFETCH.size + (_U32.size if flags & HOLD else 0)
+    if len(body) < size:
+        raise FrameError("a prefetch starts with tier and priority (and, flagged HOLD, a u32 hold in ms)")
     tier, priority = _PREFETCH.unpack_from(body)
-    keys, at = unpack_keys(body, _PREFETCH.size)
+    hold = _U32.unpack_from(body, _PREFETCH.size)[0] / 1000 if flags & HOLD else 0.0
+    keys, at = unpack_keys(body, size)
     done(body, at)
-    return tier, priority - (1 << 32) if priority >= 1 << 31 else priority, keys
+    return tier, priority - (1 << 32) if priority >= 1 << 31 else priority, hold, keys
 
 
 def steer(seq: int, keys: Sequence[bytes], action: int, mode: int, ttl: float, priority: int, tier: int) -> bytes:

@@ -44,7 +44,7 @@ class HotPath(Protocol):
     def acquire_prefix(self, keys: Sequence[BlockKey], tier: Tier, wait: int, deadline_ms: int,
                        timeout: float) -> tuple[LookupResult, Granted | None]: ...
     def release(self, lease_id: int) -> None: ...
-    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int: ...
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int, hold: float) -> int: ...
     def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
@@ -130,9 +130,10 @@ class GrpcPath:
     def release(self, lease_id: int) -> None:
         self._call("Release", pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))
 
-    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int, hold: float) -> int:
         return self._call("Prefetch", pb.PrefetchRequest(session_id=self._session_id, keys=list(keys),
-                                                         tier=tier_to_proto(tier), priority=priority)).accepted
+                                                         tier=tier_to_proto(tier), priority=priority,
+                                                         hold_seconds=hold)).accepted
 
     def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult:
         action, mode, ttl, priority, tier = steer.wire()
@@ -253,9 +254,9 @@ class LanePath:
             log.info("kvtier: a call went over gRPC: %s", exc)
             self._grpc.release(lease_id)
 
-    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int) -> int:
-        body = self._call(lambda: frames.prefetch(0, keys, tier_to_proto(tier), priority))
-        return self._grpc.prefetch(keys, tier, priority) if body is None else frames.read_u32(body)
+    def prefetch(self, keys: Sequence[BlockKey], tier: Tier, priority: int, hold: float) -> int:
+        body = self._call(lambda: frames.prefetch(0, keys, tier_to_proto(tier), priority, hold))
+        return self._grpc.prefetch(keys, tier, priority, hold) if body is None else frames.read_u32(body)
 
     def steer(self, keys: Sequence[BlockKey], steer: Steer) -> SteerResult:
         numbers = steer.wire()

@@ -244,8 +244,8 @@ class Lane:
         return frames.reply(Op.RELEASE, seq)
 
     def _prefetch(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
-        tier, priority, keys = frames.read_prefetch(body)
-        return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority)]))
+        tier, priority, hold, keys = frames.read_prefetch(body, flags)
+        return frames.reply(Op.PREFETCH, seq, frames.pack_slots([self._ops.prefetch(s, keys, tier, priority, hold)]))
 
     def _steer(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
         action, mode, ttl, priority, tier, keys = frames.read_steer(body)

@@ -130,11 +130,11 @@ class HotOps:
         s.pool.store.release(s.session_id, LeaseId(lease_id))
         self.drain.lease_ended()
 
-    def prefetch(self, session: Resolve, keys: list[bytes], tier: int, priority: int) -> int:
+    def prefetch(self, session: Resolve, keys: list[bytes], tier: int, priority: int, hold: float = 0.0) -> int:
         self.drain.check_open()
         s = session()
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
-        return s.pool.store.prefetch(s.session_id, s.namespace, keys, tier_of(tier, s.pool), priority)
+        return s.pool.store.prefetch(s.session_id, s.namespace, keys, tier_of(tier, s.pool), priority, hold)
 
     def steer(self, session: Resolve, steer: Steer, keys: list[bytes]) -> SteerResult:
         """A cache-control hint on `keys`, in the session's namespace and pool only. Pins and

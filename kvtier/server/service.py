@@ -268,7 +268,8 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
     @_rpc
     def Prefetch(self, request, context) -> pb.PrefetchResponse:
         s = self._resolver(request.session_id, context)
-        return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority))
+        return pb.PrefetchResponse(accepted=self.ops.prefetch(s, list(request.keys), request.tier, request.priority,
+                                                                  request.hold_seconds))
 
     @_rpc
     def Steer(self, request, context) -> pb.SteerResponse:

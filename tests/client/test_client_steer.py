@@ -11,7 +11,7 @@ import time
 import pytest
 from client_helpers import LAYOUT, tokens
 from kvtier_client import (
-    CapacityError, FailedPrecondition, KVTierClient, PinMode, Priority, SteerResult, Tier,
+    CapacityError, FailedPrecondition, InvalidArgument, KVTierClient, PinMode, Priority, SteerResult, Tier,
 )
 from kvtier_client.results import BlockReason
 
@@ -170,3 +170,19 @@ def test_a_remote_client_steers_over_grpc(steer_daemon):
             assert remote.drop(keys[1:]).applied == 1
         assert hints(local, keys[:1])[0].startswith("soft pin by session")
         assert local.lookup(keys).hit_blocks == 1
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_a_prefetch_deadline_holds_a_prefix_in_host_through_a_flood(steer_daemon, lane):
+    """Pages held for a prefetch's deadline go only as a last resort: a flood of 80 blocks
+    through a 32-page host keeps them, and evicts a prefix prefetched without a deadline
+    (already in host, so nothing to load and nothing held)."""
+    with client(steer_daemon, B, "b", lane=lane) as kv:
+        held, plain = put(kv, 900 + lane, 3), put(kv, 910 + lane, 3)  # seeds no other test uses
+        assert kv.prefetch(held, hold=60) == 3 and kv.prefetch(plain) == 3
+        for seed in range(20):
+            put(kv, 1000 + 20 * lane + seed, 4)
+        assert kv.lookup(held).tiers == (Tier.HOST,) * 3
+        assert Tier.HOST not in kv.lookup(plain).tiers
+        with pytest.raises(InvalidArgument, match="hold"):
+            kv.prefetch(held, hold=601)

@@ -365,16 +365,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "tier", "priority")
+    __slots__ = ("session_id", "keys", "tier", "priority", "hold_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: Tier
     priority: int
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+    hold_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., priority: _Optional[int] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("accepted",)
