@@ -27,7 +27,8 @@ from kvtier.demo import demo
 from kvtier.keeper_cli import keeper
 from kvtier.policy import PolicyName
 from kvtier.replay.codec import CODECS, DEFAULT_LAYOUT, IDENTITY, codec_ratio, describe, parse_layout
-from kvtier.replay.mooncake import halfway, read_timed_trace, replay
+from kvtier.replay.hints import DEFAULT_TTL_FACTOR, HintRule, replay_with_hints
+from kvtier.replay.mooncake import halfway, read_timed_trace
 from kvtier.server.cli import serve
 from kvtier.steer_cli import cache
 
@@ -118,7 +119,8 @@ main.add_command(demo)
 Examples:
   kvtier replay mooncake_trace.jsonl --host-pages 5859 --disk-pages 58590 --policy frecency
   kvtier replay mooncake_trace.jsonl --host-pages 5859 --disk-pages 58594 --codec fp8
-  kvtier replay mooncake_trace.jsonl --second-half --json""")
+  kvtier replay mooncake_trace.jsonl --second-half --json
+  kvtier replay mooncake_trace.jsonl --policy frecency --hint-rule continue-ttl""")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False), metavar="TRACE")
 @click.option("--host-pages", type=click.IntRange(min=1), default=5859, show_default=True, metavar="PAGES",
               help="Host tier capacity in pages (512-token blocks).")
@@ -137,9 +139,15 @@ Examples:
               help="The page layout the codec's ratio is measured on (fields left out keep the default's).")
 @click.option("--second-half", is_flag=True,
               help="Count only the requests of the trace's second half by time (the first half warms the cache).")
+@click.option("--hint-rule", type=click.Choice([r.value for r in HintRule]), default=HintRule.NONE.value,
+              show_default=True, help="An online client hint rule run after each request (kvtier/replay/hints.py): "
+                                      "continue-ttl retains a conversation's next turn high for a TTL.")
+@click.option("--hint-ttl-factor", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TTL_FACTOR,
+              show_default=True, metavar="X", help="continue-ttl's TTL: X times the median gap between turns so far.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: int, policy: str, codec: str,
-                   disk_ratio: float | None, layout_text: str, second_half: bool, as_json: bool) -> None:
+                   disk_ratio: float | None, layout_text: str, second_half: bool, hint_rule: str,
+                   hint_ttl_factor: float, as_json: bool) -> None:
     """Replay a Mooncake-format TRACE through the block index and policies (no bytes moved)
     and report the block hit rate, overall and per tier, the pages written to disk and
     how fast the policy's own bookkeeping ran. With --codec or --disk-ratio the disk tier
@@ -148,13 +156,15 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
         ratio = codec_ratio(codec, disk_ratio, parse_layout(layout_text))
         timed = list(read_timed_trace(trace))
         start = halfway([t for t, _ in timed]) if second_half else 0
-        result = replay([ids for _, ids in timed], host_pages=host_pages, disk_pages=ratio.pages(disk_pages),
-                        policy=PolicyName(policy), device_pages=device_pages, measure_from=start)
+        result, hints = replay_with_hints(timed, rule=hint_rule, ttl_factor=hint_ttl_factor, host_pages=host_pages,
+                                          disk_pages=ratio.pages(disk_pages), policy=PolicyName(policy),
+                                          device_pages=device_pages, measure_from=start)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     data = result.as_dict()
     if as_json:
-        click.echo(json.dumps({**data, "disk_codec": {**ratio.as_dict(), "raw_disk_pages": disk_pages}}))
+        click.echo(json.dumps({**data, "disk_codec": {**ratio.as_dict(), "raw_disk_pages": disk_pages},
+                               **({"hints": hints.as_dict()} if hints else {})}))
         return
     rows = [
         ("trace", f"{os.path.basename(trace)}: {result.requests} requests, {result.blocks} blocks"
@@ -167,6 +177,9 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
         *((("disk writes", f"{result.disk_writes} pages, {result.disk_writes_per_hit:.2f} per disk hit"),) if disk_pages else ()),
         *((("disk reads", f"{result.disk_hit_blocks} pages, {_per_hit(result):.3f} per hit"),) if disk_pages else ()),
         ("policy speed", f"{result.policy_blocks_per_second:,.0f} blocks/s ({result.policy_seconds:.2f} s in the policies)"),
+        *((("hints", (f"{hints.rule}: {hints.retains} of {hints.continuations} continuations retained high, "
+                      f"{hints.retained_blocks} blocks, last TTL {hints.ttl_factor:g} x {hints.median_gap_seconds:.0f} s")),)
+          if hints else ()),
     ]
     if console().is_terminal:
         emit(table(["", ""], rows, left=2, header=False, plain=False, title="replay"))

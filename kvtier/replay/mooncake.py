@@ -175,11 +175,13 @@ class TimedPolicy:
 
 def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: PolicyName | str = PolicyName.LRU,
            device_pages: int = 0, measure_from: int = 0, admission: AdmissionName | str = AdmissionName.ALL,
-           admission_threshold: float = DEFAULT_THRESHOLD) -> ReplayResult:
+           admission_threshold: float = DEFAULT_THRESHOLD,
+           after_request: Callable[[int, list[bytes], BlockStore], None] | None = None) -> ReplayResult:
     """With `device_pages`, cached blocks are acquired into the device tier (as a GPU
     engine would), so they climb disk -> host -> device and fall back the same way.
     Requests before `measure_from` only warm the cache: they are not counted. `admission`
-    decides which host pages are written to disk as they leave host."""
+    decides which host pages are written to disk as they leave host. `after_request(index,
+    keys, store)` runs after each request is served (a client's hints: kvtier.replay.hints)."""
     spent = [0.0]
     make = POLICIES[PolicyName(policy)]
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
@@ -203,6 +205,8 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
                 lease = store.borrow(_SESSION, _NAMESPACE, 1)
                 store.commit(_SESSION, lease.lease_id, [key], parent=parent)
             parent = key
+        if after_request is not None:
+            after_request(n_requests - 1, keys, store)
     if n_requests <= measure_from:
         raise ValueError(f"the trace has {n_requests} requests: none from request {measure_from} on to measure")
     counts = _Counts.of(store).minus(before)
