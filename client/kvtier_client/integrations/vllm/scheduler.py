@@ -12,6 +12,9 @@ Per request, in the order vLLM calls it:
                                  the request's count, KV events
     request_finished             kv_transfer_params={"kvtier": {...}}
 
+A request's kvtier hints (`kv_hints`, hints.py) are read at arrival: a prefetch acts then,
+the others once it has finished and its last save has settled.
+
 A block is stored once. A full prompt block goes into a SaveOp only if kvtier did not hold
 it at the request's lookup, vLLM's own prefix cache did not serve it (the request's computed
 tokens when it was scheduled: the request that put those blocks in vLLM's cache computed
@@ -42,6 +45,7 @@ from kvtier_client.integrations.planner import Planner
 from kvtier_client.integrations.vllm.config import ConnectorConfig
 from kvtier_client.integrations.vllm.events import block_payload
 from kvtier_client.integrations.vllm.extra_keys import block_extras
+from kvtier_client.integrations.vllm.hints import Hinter
 from kvtier_client.integrations.vllm.kv_groups import KVGroup
 from kvtier_client.integrations.vllm.link import DaemonLink, log
 from kvtier_client.integrations.vllm.metadata import (
@@ -112,6 +116,8 @@ class KVTierScheduler:
         self.planner = Planner(self.kv) if config.use_planner else None
         self._requests: dict[str, RequestState] = {}
         self._stats = KVTierConnectorStats()
+        #: Requests' kvtier hint actions (hints.py): prefetch at arrival, the rest once saved.
+        self.hints = Hinter(links, self.page, self._stats.add)
         self._outputs = 0  # step outputs seen (update_connector_output)
         self._loading: list[str] = []  # requests whose background load goes out with the next metadata
         #: Mixed into every key: the checkpoint (weights.py) and the epoch a reset_cache starts.
@@ -145,7 +151,16 @@ class KVTierScheduler:
 
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
-        if state is None or not state.keys or not self.config.prefetch or not self.do_load or not self.link.available():
+        if state is None:
+            return
+        prefetch = self.hints.arrived(request.request_id, getattr(request, "kv_hints", None),
+                                      request.kv_transfer_params, state.group_keys)
+        if not state.keys or not self.do_load or not self.link.available():
+            return
+        if prefetch is not None:  # the hint's deadline, even with the connector's prefetch off
+            self.hints.prefetch(prefetch, state.group_keys)
+            return
+        if not self.config.prefetch:
             return
         try:  # disk pages start climbing to host before the request is scheduled
             for link, keys in zip(self.links, state.group_keys):
@@ -399,6 +414,8 @@ class KVTierScheduler:
         (the request's `stored_blocks`, the keys being stored, the KV events)."""
         if end is None:
             return  # given up already
+        if not self._saving(end.req_id):
+            self.hints.settled(end.req_id)  # a finished request's hints wait for its last save
         sent, new = end.sent, end.new
         if new is None:
             self._stats.add(store_failed_blocks=len(sent.keys))
@@ -447,9 +464,12 @@ class KVTierScheduler:
         if state is None:
             return False, None
         self.saves.unmark(state.storing, request.request_id)
+        hints = self.hints.describe(request.request_id)
+        self.hints.finished(request.request_id, self._saving(request.request_id))
         # Its blocks are never held: the workers wrote its saves within their steps (the commits
         # of the last step may come with that step's output, after this call).
         return False, {"kvtier": {
+            **({"hints": hints} if hints else {}),
             "loaded_tokens": state.loaded_tokens,
             "cached_blocks": state.kvtier_blocks,
             "stored_blocks": state.stored_blocks,
@@ -457,6 +477,10 @@ class KVTierScheduler:
             "prefill_tokens_per_second": self.planner.prefill_tokens_per_second if self.planner else None,
             "copy_bytes_per_second": self.planner.copy_bytes_per_second if self.planner else None,
         }}
+
+    def _saving(self, req_id: str) -> bool:
+        """Whether some save of the request has not settled yet."""
+        return any(key[0] == req_id for key in self.saves.sent)
 
     def shutdown(self) -> None:
         if self.tier_events is not None:

@@ -19,6 +19,10 @@ COUNTERS = {
     "declined_blocks": "Of those, blocks the load planner chose to recompute (loading would be slower).",
     "skipped_store_blocks": "Full prompt blocks not stored: vLLM's prefix cache served them, or another request "
                             "of this engine is storing them.",
+    "hint_actions_applied": "Requests' kvtier hint actions (kv_hints) applied to their pages.",
+    "hint_actions_ignored": "kvtier hint actions of an unknown type or version, ignored.",
+    "hint_actions_invalid": "kvtier hint actions (or envelopes) with a bad payload, ignored.",
+    "hint_actions_failed": "kvtier hint actions the daemon refused (e.g. a hard pin past the guarantee) or missed.",
     # worker side
     "load_blocks": "Pages copied from kvtier into vLLM's KV blocks.",
     "load_bytes": "Bytes of those pages.",
