@@ -70,6 +70,14 @@ class KVTierStorage(HiCacheStorage):
             ) from exc
         self.kv, self.pages = kv, pages
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's side pools (Mamba states, sliding windows, indexers) travel through
+        SGLang's v2 calls, which this backend does not implement: refused at attach."""
+        if str(host_pool_name) != "kv":
+            raise ValueError(f"kvtier HiCache backend: host pool {str(host_pool_name)!r} of a hybrid model is not "
+                             "supported (only the KV pool); run this model without a storage backend")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def close(self) -> None:
         if self.kv is not None:
             self.kv.close()
