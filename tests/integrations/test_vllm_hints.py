@@ -115,3 +115,36 @@ def test_the_parser_takes_kvtiers_actions_and_judges_only_those(checks):
     assert p["not_envelopes"] == [{"actions": [], "ignored": 0, "invalid": 1}] * 2 + [
         {"actions": ["kvtier.pin"], "ignored": 0, "invalid": 0}]
     assert p["payload_not_object"] == {"actions": [], "ignored": 0, "invalid": 1}
+
+
+def test_a_vllm_engine_carries_kv_hints_to_the_daemon(tmp_path):
+    """LLMEngine.add_request(..., kv_hints=...) through a real engine (its core in its own
+    process, so the envelope crosses vLLM's serialisation) to the daemon's hints."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{TOKEN}" = ["{NAMESPACE}"]\n')
+    daemon = start_daemon(tmp_path, "--tokens-file", str(tokens), host_size="16MiB", disk_size="32MiB")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
+        env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "--token", TOKEN, "--namespace", NAMESPACE,
+                   "--engine", str(tmp_path / "model")]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path, check=False)
+        assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stderr[-6000:]}"
+        # (vLLM logs to stdout too: the report is the one JSON line)
+        reports = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"engine"')))["engine"]
+        stats = subprocess.run([str(ROOT / ".venv" / "bin" / "kvtier"), "stats", "--socket", str(daemon.socket), "--token",
+                                TOKEN, "--json"], capture_output=True, text=True, timeout=60, check=False)
+        assert stats.returncode == 0, stats.stderr
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
+    assert {rid: (r["tokens"], r["kvtier"]["stored_blocks"]) for rid, r in reports.items()} == {
+        "pinned": (2, 3), "retained": (2, 2), "noisy": (2, 2)}
+    assert reports["pinned"]["kvtier"]["hints"] == {"actions": ["kvtier.pin"], "ignored": 0, "invalid": 0}
+    assert reports["retained"]["kvtier"]["hints"] == {"actions": ["kvtier.retain"], "ignored": 0, "invalid": 0}
+    assert reports["noisy"]["kvtier"]["hints"] == {"actions": [], "ignored": 1, "invalid": 2}
+    hints = [ns["hints"] for pool in json.loads(stats.stdout)["pools"] for ns in pool.get("namespaces", [])
+             if ns["namespace"] == NAMESPACE]
+    assert len(hints) == 1, stats.stdout
+    # Hints with a TTL outlive the engine's session: 3 blocks soft-pinned, 2 retained high.
+    assert (int(hints[0].get("soft_pinned", 0)), int(hints[0].get("high", 0))) == (3, 2), hints

@@ -2,12 +2,15 @@
 through the real KVTierScheduler and KVTierWorker on a real daemon, for
 tests/integrations/test_vllm_hints.py (run with .venv-vllm's python; prints one JSON object):
 
-    vllm_hint_checks.py --target unix:///path/kvtier.sock --token TOKEN --namespace NS
+    vllm_hint_checks.py --target unix:///path/kvtier.sock --token TOKEN --namespace NS [--engine MODEL_DIR]
 
 Each request is driven as vLLM drives the connector (arrival, lookup, one step that computes
 and stores its prompt, the worker's report, finish); then a client of the namespace asks the
 daemon (`explain`) what became of its pages: their hint, tier, or that they were dropped.
-Also the parser alone, on envelopes good and bad.
+Also the parser alone, on envelopes good and bad. With --engine, instead: a real vLLM engine
+(a tiny random Llama built into MODEL_DIR, its engine core in its own process) serves
+requests added with `LLMEngine.add_request(..., kv_hints=...)` and reports their
+kv_transfer_params; the test then asks the daemon's stats for the namespace's hints.
 """
 from __future__ import annotations
 
@@ -164,12 +167,52 @@ def connector_checks(target: str, token: str, namespace: str) -> dict:
     return out
 
 
+def engine_checks(target: str, token: str, namespace: str, model_dir: str) -> dict:
+    from vllm_engine_run import build
+
+    build(model_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=model_dir, dtype="float32", block_size=BLOCK, max_model_len=1024, enforce_eager=True, seed=0,
+              max_num_seqs=4, kv_transfer_config=KVTransferConfig(
+                  kv_connector="KVTierConnector", kv_connector_module_path="kvtier_client.integrations.vllm",
+                  kv_role="kv_both", kv_connector_extra_config={"target": target, "namespace": namespace,
+                                                                "token": token}))
+    engine = llm.llm_engine
+
+    def params(transfer_params=None) -> SamplingParams:
+        extra = {"kv_transfer_params": transfer_params} if transfer_params is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args=extra)
+
+    words = iter(range(3, 500))
+    prompts = {rid: {"prompt_token_ids": [next(words) for _ in range(n * BLOCK + 5)]}
+               for rid, n in (("pinned", 3), ("retained", 2), ("noisy", 2))}
+    engine.add_request("pinned", prompts["pinned"], params(),
+                       kv_hints=envelope(("kvtier.pin", {"mode": "soft", "ttl_s": 600})))
+    engine.add_request("retained", prompts["retained"], params({"kvtier_hints": [
+        {"action_type": "kvtier.retain", "action_version": "1", "payload": {"priority": "high", "ttl_s": 600}}]}))
+    engine.add_request("noisy", prompts["noisy"], params({"kvtier_hints": "pin please"}),
+                       kv_hints=envelope(("kvtier.teleport", {}), ("kvtier.pin", {"mode": "sticky", "ttl_s": 600})))
+    reports: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                reports[out.request_id] = {"kvtier": (out.kv_transfer_params or {}).get("kvtier"),
+                                           "tokens": len(out.outputs[0].token_ids)}
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--token", required=True)
     parser.add_argument("--namespace", required=True)
+    parser.add_argument("--engine", metavar="MODEL_DIR", help="run the engine checks, building the model there")
     args = parser.parse_args()
+    if args.engine:
+        print(json.dumps({"engine": engine_checks(args.target, args.token, args.namespace, args.engine)}))
+        return
     print(json.dumps({"parser": parser_checks(), "connector": connector_checks(args.target, args.token, args.namespace)}))
 
 
