@@ -205,14 +205,16 @@ def write_full(target: str) -> dict:
     keys = hashes("full", 2)
     refused = b.batch_set_v1(keys, indices([0, 1]))
     exists_while_full = b.batch_exists(keys)
+    host = holder.stats().pool(holder.pool.pool_id).tier(Tier.HOST)
+    writing_while_full = host.writing_pages  # the holder's lease alone: the refused store kept none
     lease.release()
     holder.lookup([b.scope.key(k) for k in keys])  # answered after the release is applied (the lane sends a release without waiting)
     stored = b.batch_set_v1(keys, indices([0, 1]))
     after = b.batch_exists(keys)
     holder.close()
     b.close()
-    return {"capacity": capacity, "refused": refused, "exists_while_full": exists_while_full, "stored": stored,
-            "after": after}
+    return {"capacity": capacity, "refused": refused, "exists_while_full": exists_while_full,
+            "writing_while_full": writing_while_full, "stored": stored, "after": after}
 
 
 def equal(a: torch.Tensor, b: torch.Tensor) -> bool:

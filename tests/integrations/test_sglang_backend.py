@@ -83,6 +83,7 @@ def test_a_full_kvtier_fails_the_store_cleanly_and_takes_it_once_pages_are_free(
     full = checks["write"]["full"]
     assert full["capacity"] == 16
     assert full["refused"] == [False, False] and full["exists_while_full"] == 0
+    assert full["writing_while_full"] == 16  # the other writer's pages only: the store left none borrowed
     assert full["stored"] == [True, True] and full["after"] == 2
 
 
