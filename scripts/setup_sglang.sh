@@ -23,8 +23,9 @@ echo "setting up $VENV (torch==2.13.0 CPU, sglang==0.5.23 without its deps, kvti
 pip="$VENV/bin/python -m pip"
 $pip install -q --upgrade pip
 $pip install -q 'torch==2.13.0' 'numpy==2.4.6'
-# What `import sglang.srt.mem_cache.hicache_storage` imports, and nothing it does not.
-$pip install -q --no-deps 'sglang==0.5.23' 'triton==3.9.0' \
+# What `import sglang.srt.mem_cache.hicache_storage` imports, and nothing it does not (SGLang's
+# other requirements stay missing on purpose: --no-warn-conflicts).
+$pip install -q --no-deps --no-warn-conflicts 'sglang==0.5.23' 'triton==3.9.0' \
   'orjson==3.13.0' 'psutil==7.2.2' 'pybase64==1.5.1' 'packaging==26.4' 'pillow==13.0.0' \
   'requests==2.34.2' 'charset-normalizer==3.5.3' 'urllib3==2.8.0' 'idna==3.20' 'certifi==2026.10.19.post1' \
   'starlette==1.10.0' 'anyio==4.16.0' 'msgspec==0.23.0' 'pyzmq==27.3.0' 'tqdm==4.70.1' \
@@ -34,7 +35,7 @@ $pip install -q --no-deps 'sglang==0.5.23' 'triton==3.9.0' \
   'multidict==7.2.1' 'propcache==0.5.4' 'yarl==1.25.1' \
   'transformers==5.19.0' 'tokenizers==0.23.2' 'safetensors==0.8.0' 'huggingface_hub==2.4.0' \
   'regex==2026.11.19' 'PyYAML==6.0.4' 'httpx2==2.16.2' 'httpcore2==2.16.2' 'h11==0.16.0' 'truststore==0.10.5'
-$pip install -q -e ./client 'torch==2.13.0'
+$pip install -q --no-warn-conflicts -e ./client 'torch==2.13.0'
 "$VENV/bin/python" - <<'PY'
 import grpc, torch, kvtier_client
 import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory
