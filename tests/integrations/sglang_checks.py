@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -104,7 +106,7 @@ def seed(name: str, rank: int = 0) -> int:
     return sum(map(ord, name)) * 10 + rank
 
 
-def write(target: str, full_target: str) -> dict:
+def write(target: str, full_target: str, full_pid: int | None) -> dict:
     out: dict = {"cases": {}}
     for name, mla, layout, _ in CASES:
         b = backend(target, name, mla=mla)
@@ -157,11 +159,13 @@ def write(target: str, full_target: str) -> dict:
     except ValueError as exc:
         out["hybrid_refused"] = str(exc)
     out["full"] = write_full(full_target)
+    if full_pid:
+        out["gone"] = daemon_gone(full_target, full_pid)
     out["speed"] = speed(target)
     return out
 
 
-def speed(target: str, pages: int = 32, rounds: int = 3) -> dict:
+def speed(target: str, pages: int = 32, rounds: int = 5) -> dict:
     """Seconds to store and to load `pages` pages of 256 KiB from a page_first pool, against
     the copy alone (the same views copied into a plain tensor): best of `rounds`, this run."""
     layers, heads, dim, tokens = 8, 4, 64, 32
@@ -215,6 +219,27 @@ def write_full(target: str) -> dict:
     b.close()
     return {"capacity": capacity, "refused": refused, "exists_while_full": exists_while_full,
             "writing_while_full": writing_while_full, "stored": stored, "after": after}
+
+
+def daemon_gone(target: str, pid: int) -> dict:
+    """The daemon stops under a registered backend: every call answers "nothing" (0, False)
+    without raising, and once one found it unavailable the next ones skip it at once."""
+    p = pool("page_first", mla=False, seed=seed("gone"))
+    b = backend(target, "gone", connect_timeout=1)
+    b.register_mem_pool_host(p)
+    keys = hashes("gone", 2)
+    os.kill(pid, signal.SIGTERM)
+    socket = target.removeprefix("unix://")
+    deadline = time.monotonic() + 20
+    while os.path.exists(socket) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    calls = {}
+    for name, call in (("exists", lambda: b.batch_exists(keys)), ("set", lambda: b.batch_set_v1(keys, indices([0, 1]))),
+                       ("get", lambda: b.batch_get_v1(keys, indices([2, 3])))):
+        start = time.perf_counter()
+        calls[name] = {"answer": call(), "seconds": time.perf_counter() - start}
+    b.close()
+    return calls
 
 
 def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -278,8 +303,9 @@ def main() -> None:
     parser.add_argument("step", choices=("write", "read"))
     parser.add_argument("--target", required=True)
     parser.add_argument("--full-target")
+    parser.add_argument("--full-pid", type=int, help="stop this daemon (the --full-target one) at the end")
     args = parser.parse_args()
-    result = write(args.target, args.full_target) if args.step == "write" else read(args.target)
+    result = write(args.target, args.full_target, args.full_pid) if args.step == "write" else read(args.target)
     print(json.dumps(result))
 
 

@@ -38,7 +38,8 @@ def checks(tmp_path_factory) -> dict:
     # 16 host pages and a little disk: another writer can hold every host page at once.
     small = start_daemon(tmp_path_factory.mktemp("small"), host_size="64KiB", disk_size="1MiB")
     try:
-        written = _run("write", tmp, "--target", daemon.target, "--full-target", small.target)
+        written = _run("write", tmp, "--target", daemon.target, "--full-target", small.target,
+                       "--full-pid", str(small.proc.pid))  # which it stops at the end
         read = _run("read", tmp, "--target", daemon.target)
     finally:
         codes = daemon.stop(), small.stop()
@@ -93,6 +94,15 @@ def test_errors_answer_false_and_raise_nothing_into_sglang(checks):
     assert w["bad_hash"] == 0
     assert "page_unified" in w["refused"] and "--hicache-mem-layout" in w["refused"]  # at attach, with the fix
     assert "'mamba'" in w["hybrid_refused"]  # a hybrid model's side pool (SGLang's v2 calls)
+
+
+def test_a_daemon_that_stops_answers_nothing_stored_and_is_skipped_meanwhile(checks):
+    gone = checks["write"]["gone"]
+    assert gone["exists"]["answer"] == 0
+    assert gone["set"]["answer"] == [False, False] and gone["get"]["answer"] == [False, False]
+    # The first call spent its retries (connect_timeout 1 s); the next ones skip the daemon.
+    first = gone["exists"]["seconds"]
+    assert gone["set"]["seconds"] < first / 10 and gone["get"]["seconds"] < first / 10, gone
 
 
 def test_the_generic_interface_with_flat_data_pages(checks):
