@@ -150,6 +150,13 @@ def write(target: str, full_target: str, full_pid: int | None) -> dict:
         out["refused"] = None
     except ValueError as exc:
         out["refused"] = str(exc)
+    # No daemon at the target: SGLang's start fails, saying where it looked.
+    try:
+        backend("unix:///nonexistent/kvtier.sock", "nowhere", connect_timeout=1).register_mem_pool_host(
+            pool("page_first", mla=False))
+        out["unreachable"] = None
+    except RuntimeError as exc:
+        out["unreachable"] = str(exc)
     # A hybrid model's side pools go through SGLang's v2 calls: refused at attach.
     b = backend(target, "hybrid")
     b.register_mem_host_pool_v2(pool("page_first", mla=False), "kv")

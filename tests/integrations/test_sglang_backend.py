@@ -94,6 +94,7 @@ def test_errors_answer_false_and_raise_nothing_into_sglang(checks):
     assert w["bad_hash"] == 0
     assert "page_unified" in w["refused"] and "--hicache-mem-layout" in w["refused"]  # at attach, with the fix
     assert "'mamba'" in w["hybrid_refused"]  # a hybrid model's side pool (SGLang's v2 calls)
+    assert "unix:///nonexistent/kvtier.sock" in w["unreachable"] and "kvtier serve" in w["unreachable"]
 
 
 def test_a_daemon_that_stops_answers_nothing_stored_and_is_skipped_meanwhile(checks):
