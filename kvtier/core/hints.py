@@ -57,6 +57,16 @@ class HintTable:
             return _NORMAL
         return hint.rank
 
+    def ranker(self) -> Callable[[Ref], Rank]:
+        """`rank` with the time read once: for a policy's walk over many refs."""
+        hints, now = self.hints, self.clock()
+
+        def rank(ref: Ref) -> Rank:
+            hint = hints.get(ref)
+            return _NORMAL if hint is None or (hint.expires and hint.expires <= now) else hint.rank
+
+        return rank
+
     def set(self, ref: Ref, hint: Hint) -> None:
         self.clear(ref)
         self.hints[ref] = hint
@@ -109,6 +119,12 @@ class TierRanks:
     def rank(self, ref: Ref) -> Rank:
         rank = self.table.rank(ref)
         return _SOFT if rank is _HARD and not self.hard else rank
+
+    def ranker(self) -> Callable[[Ref], Rank]:
+        rank = self.table.ranker()
+        if self.hard:
+            return rank
+        return lambda ref: _SOFT if (r := rank(ref)) is _HARD else r
 
     def count(self, rank: Rank) -> int:
         counts = self.table.counts

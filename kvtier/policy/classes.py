@@ -42,6 +42,9 @@ class Ranks(Protocol):
 
     def rank(self, ref: Ref) -> Rank: ...
 
+    def ranker(self) -> Callable[[Ref], Rank]:
+        """`rank`, for one walk (the hints as they are now)."""
+
     def count(self, rank: Rank) -> int: ...
 
 
@@ -66,7 +69,7 @@ class Ranked:
         ranks = self.ranks
         if not any(ranks.count(r) for r in Rank if r is not Rank.NORMAL):
             return self.policy.victims(n, protected)
-        rank_of, chosen, taken = ranks.rank, [], set()
+        rank_of, chosen, taken = ranks.ranker(), [], set()
         for cls in EVICTABLE:
             want = n - len(chosen)
             if want <= 0:

@@ -26,6 +26,9 @@ class Table:
     def rank(self, r) -> Rank:
         return self.ranks.get(r, Rank.NORMAL)
 
+    def ranker(self):
+        return self.rank
+
     def count(self, rank: Rank) -> int:
         return Counter(self.ranks.values())[rank]
 
