@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/setup_vllm.sh   # .venv-vllm for the vLLM connector's end-to-end test (a few minutes, once)
+scripts/setup_sglang.sh  # .venv-sglang for the SGLang HiCache backend's test (about a minute, once)
 scripts/gen_proto.sh --check
 .venv/bin/python scripts/gen_values_schema.py --check   # deploy/helm/kvtier/values.schema.json
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"

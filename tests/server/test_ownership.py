@@ -68,7 +68,7 @@ def test_second_daemon_on_a_cache_dir_is_refused(daemons, connect):
     assert read_pages(s, before + after) == [page(f"before-{i}") for i in range(3)] + [page(f"after-{i}") for i in range(3)]
 
 
-@pytest.mark.parametrize("tries", [10, pytest.param(100, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tries", [4, pytest.param(100, marks=pytest.mark.slow)])
 def test_two_daemons_started_together_on_one_socket(daemons, tmp_path, tries):
     """Not flaky: whatever the order in which the two processes reach the socket, exactly one
     holds its lock and the other is refused; the test waits for process exits and SERVING, never

@@ -83,6 +83,8 @@ The package, one module per concern (vLLM loads one connector class and tells it
     request_state.py   what the scheduler knows of a request, and the salt of its keys
     scheduler.py  KVTierScheduler: lookups, load planning, metadata building
     saves.py      saves in flight: borrowed pages, committed once every worker wrote its part
+    hints.py      request.kv_hints (and kv_transfer_params["kvtier_hints"]) as kvtier actions:
+                  pin, retain, prefetch, demote, drop (docs/cache-control.md)
     events.py     the BlockStored events of the blocks kvtier took
     tier_events.py    kvtier's later tier changes of those pages, relayed as KV events
     kv_views.py   per group, vLLM's KV tensors as views shaped like a worker's part of a page
