@@ -10,25 +10,17 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from kvtier_client.client import KVTierClient
 from kvtier_client.connection import Backoff
+from kvtier_client.integrations.daemon_settings import default_target, resolve_token
 from kvtier_client.keys import BlockKey
 
 #: Keys SGLang's dynamic backend loader itself reads from the same dict.
 LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 #: Keys this backend reads.
 CONFIG_KEYS = ("target", "namespace", "salt", "token", "token_file", "connect_timeout", "batch_pages")
-
-
-def _default_target() -> str:
-    env = os.environ.get("KVTIER_TARGET")
-    if env:
-        return env
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
 
 
 def _as_str(extra: dict[str, Any], key: str) -> str | None:
@@ -40,18 +32,10 @@ def _as_str(extra: dict[str, Any], key: str) -> str | None:
 
 def _token(extra: dict[str, Any]) -> str | None:
     token, token_file = _as_str(extra, "token"), _as_str(extra, "token_file")
-    if token and token_file:
-        raise ValueError("kvtier HiCache backend: give either token or token_file, not both")
-    token_file = token_file or (None if token else os.environ.get("KVTIER_TOKEN_FILE"))
-    if not token_file:
-        return token or os.environ.get("KVTIER_TOKEN") or None
-    try:
-        text = Path(token_file).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"kvtier HiCache backend: cannot read token_file {token_file!r}: {exc}") from None
-    if not text:
-        raise ValueError(f"kvtier HiCache backend: token_file {token_file!r} is empty")
-    return text
+    if not token and not token_file:  # the environment's, when the config names none
+        token, token_file = os.environ.get("KVTIER_TOKEN"), os.environ.get("KVTIER_TOKEN_FILE")
+        token = None if token_file else token
+    return resolve_token(token, token_file, "kvtier HiCache backend")
 
 
 @dataclass(frozen=True)
@@ -112,7 +96,7 @@ class BackendConfig:
             raise ValueError(
                 f"kvtier HiCache backend: unknown extra config key(s) {unknown}; its keys are {', '.join(CONFIG_KEYS)}"
             )
-        target = _as_str(extra, "target") or _default_target()
+        target = _as_str(extra, "target") or default_target()
         if not target.startswith("unix://"):
             raise ValueError(
                 f"kvtier HiCache backend: target {target!r} must be a unix socket ('unix:///abs/path.sock'): the "

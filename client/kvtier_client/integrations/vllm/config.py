@@ -6,13 +6,12 @@ Every key is listed in the package docstring and in docs/integrations.md.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier_client.client import KVTierClient
 from kvtier_client.connection import Backoff, TLSConfig
+from kvtier_client.integrations.daemon_settings import default_target, resolve_token
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,14 +34,6 @@ ASYNC_LOADS = ("auto", "always", "never")
 #: they may hold KV of other weights) or "keep" (for engines that sleep and reset without
 #: ever changing weights in memory: their pages stay hits across sleep).
 ON_RESET = ("new_epoch", "keep")
-
-
-def _default_target() -> str:
-    env = os.environ.get("KVTIER_TARGET")
-    if env:
-        return env
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
 
 
 def _as_bool(extra: dict[str, Any], key: str, default: bool) -> bool:
@@ -116,7 +107,7 @@ class ConnectorConfig:
                 f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
                 f"the keys are {', '.join(CONFIG_KEYS)}"
             )
-        target = _as_str(extra, "target") or _default_target()
+        target = _as_str(extra, "target") or default_target()
         if not (target.startswith("unix://") or (":" in target and "/" not in target)):
             raise ValueError(
                 f"kvtier connector: target {target!r} is neither 'unix:///abs/path.sock' nor 'host:port'"
@@ -125,17 +116,7 @@ class ConnectorConfig:
         if not namespace:
             raise ValueError("kvtier connector: namespace must be a non-empty string")
         salt = _as_str(extra, "salt", "") or ""
-        token = _as_str(extra, "token")
-        token_file = _as_str(extra, "token_file")
-        if token and token_file:
-            raise ValueError("kvtier connector: give either token or token_file, not both")
-        if token_file:
-            try:
-                token = Path(token_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"kvtier connector: cannot read token_file {token_file!r}: {exc}") from None
-            if not token:
-                raise ValueError(f"kvtier connector: token_file {token_file!r} is empty")
+        token = resolve_token(_as_str(extra, "token"), _as_str(extra, "token_file"), "kvtier connector")
         tls_files = {k: _as_str(extra, k) for k in ("tls_ca", "tls_cert", "tls_key")}
         server_name = _as_str(extra, "tls_server_name")
         tls = None

@@ -6,25 +6,15 @@ docstring and docs/vllm-offloading.md list them).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvtier_client.client import KVTierClient
 from kvtier_client.connection import Backoff
+from kvtier_client.integrations.daemon_settings import default_target, resolve_token
 
 #: Keys of the tier's config entry this tier reads.
 SETTING_KEYS = ("target", "namespace", "token", "token_file", "salt", "connect_timeout", "io_threads", "locality")
-
-
-def default_target() -> str:
-    """$KVTIER_TARGET, else the daemon's default socket (what `kvtier serve` listens on)."""
-    env = os.environ.get("KVTIER_TARGET")
-    if env:
-        return env
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
 
 
 def _text(settings: dict[str, Any], key: str) -> str | None:
@@ -35,18 +25,7 @@ def _text(settings: dict[str, Any], key: str) -> str | None:
 
 
 def _token(settings: dict[str, Any]) -> str | None:
-    token, token_file = _text(settings, "token"), _text(settings, "token_file")
-    if token and token_file:
-        raise ValueError("kvtier secondary tier: give either token or token_file, not both")
-    if not token_file:
-        return token
-    try:
-        token = Path(token_file).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"kvtier secondary tier: cannot read token_file {token_file!r}: {exc}") from None
-    if not token:
-        raise ValueError(f"kvtier secondary tier: token_file {token_file!r} is empty")
-    return token
+    return resolve_token(_text(settings, "token"), _text(settings, "token_file"), "kvtier secondary tier")
 
 
 def _positive(settings: dict[str, Any], key: str, default: float, *, whole: bool) -> float:
