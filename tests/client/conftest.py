@@ -6,27 +6,8 @@ Every daemon started here is stopped at teardown, even when the test fails.
 from __future__ import annotations
 
 import pytest
-from daemon import Daemon, start_daemon, stop_keeper
+from daemon import Daemon, start_daemon, stop_all
 from kvtier_client import KVTierClient
-
-
-def stop_all(daemons: list[Daemon]) -> list[str]:
-    """Stop every daemon (SIGTERM, then SIGKILL on timeout); return problems instead of raising
-    at the first, so one bad daemon never leaves the others running. Keepers are checked
-    once all are down: a restarted daemon shares its predecessor's keeper."""
-    problems = []
-    for d in daemons:
-        try:
-            code = d.stop()
-        except AssertionError as exc:
-            problems.append(str(exc))
-            continue
-        if code != 0:
-            problems.append(f"daemon exited with {code} after SIGTERM:\n{d.log()}")
-    for d in daemons:
-        if stop_keeper(d):
-            problems.append(f"daemon exited 0 but left its arena keeper (and host memory) behind:\n{d.log()}")
-    return problems
 
 
 @pytest.fixture(scope="module")

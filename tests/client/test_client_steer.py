@@ -23,8 +23,7 @@ GUARANTEE = 4  # namespace a's guaranteed_host_pages: the most it may hard-pin
 def steer_daemon(tmp_path_factory):
     """A daemon with a host tier of 32 pages (8 KiB each) over a disk, and tokens: a and b
     each their own namespace, a with a guarantee of 4 host pages."""
-    from conftest import stop_all  # tests/client/conftest.py
-    from daemon import start_daemon
+    from daemon import start_daemon, stop_all
 
     base = tmp_path_factory.mktemp("steer")
     path = base / "tokens.toml"

@@ -467,6 +467,8 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 with self.request_of(namespace):
                     control.pin(session, namespace, keys, how, ttl)
+                    # A hard pin prefetches disk-only blocks into host: let those loads land.
+                    assert self.store.wait_loaded(10), "a hard pin's loads did not finish"
 
     @rule(namespace=st.sampled_from(NAMESPACES), keys=keys_st, drop=st.booleans())
     def demote_or_drop(self, namespace, keys, drop):
