@@ -33,7 +33,8 @@ from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind, LeaseTable
 from kvtier.core.loads import Loads
 from kvtier.core.ports import LoadKind, Mechanism, Transfer
-from kvtier.core.results import PrefixMatch, ReadGrant
+from kvtier.core.results import BlockState, BlockStatus, Explanation, PrefixMatch, ReadGrant
+from kvtier.policy import Ref
 
 T = TypeVar("T")
 
@@ -248,6 +249,26 @@ class Reads:
             return matches[0], self.acquire(session, namespace, keys[:hit], tier, timeout)
 
         return self._run(attempt)
+
+    def explain(self, namespace: str, keys: list[bytes], describe: Callable[[Ref], str]) -> Explanation:
+        """(kvtier.core.store.BlockStore.explain says what; `describe` gives a block's hint in words.)"""
+        check_namespace(namespace)
+        check_keys(keys)
+        index, now = self.index, time.monotonic()
+        hit = 0
+        blocks = []
+        for i, key in enumerate(keys):
+            block = index.blocks.get((namespace, key))
+            if block is not None:
+                state = BlockState.CACHED if hit == i else BlockState.BEYOND_PREFIX
+                hit += state is BlockState.CACHED
+                blocks.append(BlockStatus(i, state, block.best_tier, hint=describe(block.ref)))
+            elif (departure := index.history.departure(namespace, key)) is not None:
+                blocks.append(BlockStatus(i, BlockState(departure.reason.value), departure.tier,
+                                          now - departure.when, departure.policy, departure.own_pressure))
+            else:
+                blocks.append(BlockStatus(i, BlockState.NEVER_STORED, None))
+        return Explanation(hit, tuple(blocks))
 
     # -- prefetch -------------------------------------------------------------------
     def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier, priority: int,

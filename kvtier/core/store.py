@@ -13,7 +13,7 @@ This module is the façade: it validates a request, and hands it to the room tha
     writes.py    borrow, commit, disk writes (prepare, store, file), write-back, the stop
                  copy, and `run`: the loop every request runs in, writing pages to disk
                  outside the lock when an eviction needs them first
-    reads.py     lookup, acquire (the ready prefix, lent), acquire-prefix, prefetch; a
+    reads.py     lookup, explain, acquire (the ready prefix, lent), acquire-prefix, prefetch; a
                  group lookup's reads and counts (groups.py decides over several stores)
     cluster.py   the cluster tier: what it holds, loads from it, copies to it
     loads.py     disk -> host loads, host -> device promotions, waiting for them
@@ -79,7 +79,7 @@ from kvtier.core.held import HeldCopy, held_copies
 from kvtier.core.hints import TierRanks
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.index import (
-    Block, BlockIndex, NamespaceCounters, TierCounters, TierState, check_keys, check_namespace,
+    Block, BlockIndex, NamespaceCounters, TierCounters, TierState,
 )
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
@@ -87,7 +87,7 @@ from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
-    BlockState, BlockStatus, CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
+    CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
@@ -248,23 +248,7 @@ class BlockStore:
         """What a lookup of `keys` would find, key by key, and for a key not found whether
         it is cached beyond the prefix, left the index (when, why, chosen by which policy)
         or was never stored. Changes no counter and no recency."""
-        check_namespace(namespace)
-        check_keys(keys)
-        index, now = self._index, time.monotonic()
-        hit = 0
-        blocks = []
-        for i, key in enumerate(keys):
-            block = index.blocks.get((namespace, key))
-            if block is not None:
-                state = BlockState.CACHED if hit == i else BlockState.BEYOND_PREFIX
-                hit += state is BlockState.CACHED
-                blocks.append(BlockStatus(i, state, block.best_tier, hint=self.control.describe(block.ref)))
-            elif (departure := index.history.departure(namespace, key)) is not None:
-                blocks.append(BlockStatus(i, BlockState(departure.reason.value), departure.tier,
-                                          now - departure.when, departure.policy, departure.own_pressure))
-            else:
-                blocks.append(BlockStatus(i, BlockState.NEVER_STORED, None))
-        return Explanation(hit, tuple(blocks))
+        return self._reads.explain(namespace, keys, self.control.describe)
 
     @_locked
     def stats(self) -> StoreUsage:
