@@ -8,6 +8,7 @@ policies read `rank`, which checks the time) and leaves the table at the next `e
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -40,6 +41,8 @@ class HintTable:
         self.counts: Counter[Rank] = Counter()
         self.by_namespace: defaultdict[str, Counter[Rank]] = defaultdict(Counter)
         self.by_session: defaultdict[SessionId, set[Ref]] = defaultdict(set)
+        #: No TTL ends before this (it may be early, after a clear): `expire` scans only then.
+        self._next_expiry = math.inf
 
     def __len__(self) -> int:
         return len(self.hints)
@@ -70,6 +73,8 @@ class HintTable:
     def set(self, ref: Ref, hint: Hint) -> None:
         self.clear(ref)
         self.hints[ref] = hint
+        if hint.expires:
+            self._next_expiry = min(self._next_expiry, hint.expires)
         self.counts[hint.rank] += 1
         self.by_namespace[ref[0]][hint.rank] += 1
         if hint.session is not None:
@@ -95,9 +100,12 @@ class HintTable:
     def expire(self, now: float | None = None) -> list[Ref]:
         """Drop the hints whose TTL has passed; returns their refs."""
         now = self.clock() if now is None else now
+        if now < self._next_expiry:
+            return []  # every pin and retain calls this: most calls scan nothing
         gone = [ref for ref, hint in self.hints.items() if hint.expires and hint.expires <= now]
         for ref in gone:
             self.clear(ref)
+        self._next_expiry = min((h.expires for h in self.hints.values() if h.expires), default=math.inf)
         return gone
 
     def end_session(self, session: SessionId) -> int:
