@@ -80,3 +80,8 @@ class PinUsage:
     cold: int = 0
     next_expiry_seconds: float = 0.0  # from now; 0: none of them has a TTL
     hard_limit: int = 0  # its guaranteed host pages: the most it may hard-pin
+    # Its hard-pinned blocks by where their host copy is: loaded (the pin holds it), loading,
+    # or waiting for room to load (after a restart, or a pin while host was full).
+    hard_in_host: int = 0
+    hard_loading: int = 0
+    hard_waiting: int = 0

@@ -4,8 +4,9 @@ says what each means to a client; docs/cache-control.md has the rules).
     pin / retain / unpin   set or clear hints in the table (kvtier.core.hints); the tiers'
                            policies rank victims by them (kvtier.policy.classes). A hard pin
                            is charged to the namespace's guaranteed host pages and refused,
-                           changing nothing, past them; its disk-only blocks are prefetched
-                           into host, where the pin holds them.
+                           changing nothing, past them; its blocks without a host copy
+                           are loaded into host (kvtier.core.pin_loads: again until they
+                           are, and after a restart), where the pin holds them.
     demote                 device copies go down to host, and with tier=disk host copies
                            are written to disk (outside the lock, in kvtier.core.writes.Writes.run)
                            and leave host.
@@ -31,6 +32,7 @@ from kvtier_client.tiers import Tier
 from kvtier.core.capacity import Capacity, WriteOut
 from kvtier.core.hints import Hint, HintTable
 from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
+from kvtier.core.pin_loads import PinLoads
 from kvtier.policy.classes import Rank
 
 #: What the history names as the "policy" that removed a dropped block (`stats why`).
@@ -48,17 +50,15 @@ class CacheControl:
         self.capacity = capacity
         self._lock = lock
         self._run = run
-        self._prefetch = prefetch
+        #: Hard-pinned blocks on their way into host (kvtier.core.pin_loads).
+        self.pins = PinLoads(index, lock, prefetch)
 
     # -- hints ------------------------------------------------------------------------
     def pin(self, session: SessionId, namespace: str, keys: list[bytes], mode: PinMode, ttl: float) -> SteerResult:
         rank = Rank.HARD_PIN if PinMode(mode) is PinMode.HARD else Rank.SOFT_PIN
         result = self._set(session, namespace, keys, rank, ttl, f"{PinMode(mode).value} pin")
         if rank is Rank.HARD_PIN and result.applied:
-            with self._lock:
-                cold = [k for k in keys if (b := self.index.blocks.get((namespace, k))) and Tier.HOST not in b.copies]
-            if cold:
-                self._prefetch(session, namespace, cold)
+            self.pins.pinned(namespace, keys)
         return result
 
     def retain(self, session: SessionId, namespace: str, keys: list[bytes], priority: Priority,
@@ -155,6 +155,7 @@ class CacheControl:
                     self.hints.set(ref, replace(hint, session=None))
                     restored += 1
             self.fit_quotas()
+            self.pins.want(self.hints.hard)  # those not in host load at the keeper's next sweep
             return restored
 
     def describe(self, ref) -> str:
@@ -179,9 +180,11 @@ class CacheControl:
             counts = self.hints.by_namespace.get(namespace, {})
             ends = [h.expires for ref, h in self.hints.hints.items() if ref[0] == namespace and h.expires]
             quota = self.capacity.quotas.get(namespace)
+            held = self.pins.count(namespace)
             return PinUsage(counts.get(Rank.HARD_PIN, 0), counts.get(Rank.SOFT_PIN, 0), counts.get(Rank.HIGH, 0),
                             counts.get(Rank.COLD, 0), max(0.0, min(ends) - self.hints.clock()) if ends else 0.0,
-                            quota.guaranteed_pages(Tier.HOST) if quota else 0)
+                            quota.guaranteed_pages(Tier.HOST) if quota else 0,
+                            hard_in_host=held.in_host, hard_loading=held.loading, hard_waiting=held.waiting)
 
     # -- moves ------------------------------------------------------------------------
     def demote(self, namespace: str, keys: list[bytes], tier: Tier = Tier.DISK) -> SteerResult:

@@ -41,6 +41,8 @@ class HintTable:
         self.counts: Counter[Rank] = Counter()
         self.by_namespace: defaultdict[str, Counter[Rank]] = defaultdict(Counter)
         self.by_session: defaultdict[SessionId, set[Ref]] = defaultdict(set)
+        #: Hard-pinned refs (an expired one too, until `expire`): kvtier.core.pin_loads reads them.
+        self.hard: set[Ref] = set()
         #: No TTL ends before this (it may be early, after a clear): `expire` scans only then.
         self._next_expiry = math.inf
 
@@ -77,6 +79,8 @@ class HintTable:
             self._next_expiry = min(self._next_expiry, hint.expires)
         self.counts[hint.rank] += 1
         self.by_namespace[ref[0]][hint.rank] += 1
+        if hint.rank is _HARD:
+            self.hard.add(ref)
         if hint.session is not None:
             self.by_session[hint.session].add(ref)
 
@@ -87,6 +91,7 @@ class HintTable:
             return False
         self.counts[hint.rank] -= 1
         self.by_namespace[ref[0]][hint.rank] -= 1
+        self.hard.discard(ref)
         if hint.session is not None:
             refs = self.by_session[hint.session]
             refs.discard(ref)

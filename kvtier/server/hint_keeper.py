@@ -1,11 +1,13 @@
-"""A pool's hint keeper: ends hints whose TTL passed, and keeps the hints with a TTL in
-the pool's hints file, so a restarted daemon — warm, with
-the keeper's host memory, or from disk — ranks those blocks as before.
+"""A pool's hint keeper: ends hints whose TTL passed, keeps the hints with a TTL in the
+pool's hints file, so a restarted daemon — warm, with the keeper's host memory, or from
+disk — ranks those blocks as before, and sees that hard pins hold what they pin.
 
-Once a second (`interval`) it expires hints, and writes the file when the hints with a
-TTL changed: the file is never written under the store's lock, and a crash loses at most
-the last interval's hints. `close` writes it a last time. With no path (no cache_dir)
-it only ends hints.
+Once a second (`interval`) it expires hints, writes the file when the hints with a TTL
+changed (never under the store's lock; a crash loses at most the last interval's hints),
+and sweeps the hard-pinned blocks still waiting for a host copy into host
+(kvtier.core.pin_loads says why a sweep). Its first sweep runs as soon as the hints are
+restored: after a cold restart the pinned blocks are loaded with no client asking.
+`close` writes the file a last time. With no path (no cache_dir) it writes no file.
 
 The file (format: kvtier.mechanism.formats.HINTS) is written whole to a temporary file
 and renamed over the old one, so a crash leaves the old file or the new one. Losing it
@@ -48,11 +50,16 @@ class HintKeeper:
         return restored
 
     def _run(self) -> None:
+        self.store.control.pins.sweep()  # the restored hard pins start loading now
         while not self._stopped.wait(self._interval):
             self.tick()
 
     def tick(self) -> None:
         self.store.control.expire()
+        self._save()
+        self.store.control.pins.sweep()
+
+    def _save(self) -> None:
         lasting = self.store.control.lasting()
         if self.path is None or lasting == self._saved:
             return
@@ -64,13 +71,15 @@ class HintKeeper:
             log.warning("could not write the hints file; retrying", extra={"path": self.path, "reason": str(exc)})
 
     def close(self) -> None:
-        """Stop, and write the file a last time. A second call does nothing."""
+        """Stop (no load is started after this returns: the pool closes its readers next),
+        and write the file a last time. A second call does nothing."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         if self._thread.is_alive():
             self._thread.join()
-        self.tick()
+        self.store.control.expire()
+        self._save()
 
 
 def save(path: str, hints: list[tuple[Ref, Hint]]) -> None:

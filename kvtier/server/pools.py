@@ -235,6 +235,7 @@ class Pool:
         self._closed = True
         keep_arena = False
         try:
+            self.hints.close()  # its file written, and no hard pin's load started after this
             self._stop_write_back()  # its batch in flight is filed first
             self._stop_cluster_writes()
             self.store.stop_loads()
@@ -243,7 +244,6 @@ class Pool:
             if self.cluster is not None:
                 self.cluster.reader.close()
             self.store.persist(deadline)
-            self.hints.close()
             keep_arena = deadline is not None and time.monotonic() >= deadline and self.store.unsaved() > 0
             if keep_arena:
                 log.warning("stop deadline passed before every host page reached disk; keeping the host arena "
