@@ -4,7 +4,9 @@ The router that credits kvtier's pages is Go (llm-d/llm-d-router) and Go modules
 fetched here, so this module and tests/llmd_events.py (which decodes the messages) follow
 its code line by line instead: a test can ask "which endpoint and tier would llm-d credit
 for what we published, and how would it score a request" without a Go toolchain. It follows
-llm-d/llm-d-router at commit ebab687927f5 (2026-08-22):
+llm-d/llm-d-router at commit ebab687927f5 (2026-08-22), with the scoring of PR #2809 (merged
+2026-09-11): a medium without a configured weight scores 0 (it scored 1.0 before), and the
+default weights add `shared_storage` 0.4 and `object_store` 0.2 to `gpu` 1.0 and `cpu` 0.8:
 
     pkg/kvevents/zmq_subscriber.go            parseEventFrame: 3 frames, sequence >= 8 bytes
     pkg/kvevents/engineadapter/*.go           (tests/llmd_events.py)
@@ -34,9 +36,11 @@ from __future__ import annotations
 import struct
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import xxhash
+import yaml
 from llmd_events import (
     MASK64,
     DecodeError,
@@ -50,9 +54,21 @@ from llmd_events import (
 TOPIC_FILTER = "kv@"  # kvevents.DefaultConfig().TopicFilter: the ZMQ subscription prefix
 DEFAULT_TIER = "gpu"  # pool.go defaultEventSourceDeviceTier: an event without a medium
 POD_CACHE_SIZE = 10  # in_memory.go defaultPodsPerKey: (pod, tier) entries kept per key, LRU
-DEFAULT_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}  # backend.go DefaultKVCacheBackendConfig
-UNCONFIGURED_WEIGHT = 1.0  # kvblock_scorer.go fillMaxWeights: a medium not configured
+#: backend.go DefaultKVCacheBackendConfig (PR #2809: shared_storage and object_store added)
+DEFAULT_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "shared_storage": 0.4, "object_store": 0.2}
+UNCONFIGURED_WEIGHT = 0.0  # the scorer's weight for a medium not configured (PR #2809; 1.0 before)
 PREFIX_KINDS = {"full_attention", "mla_attention", "sink_full_attention"}  # isPrefixIndexableSpecKind
+#: kvtier's configuration of llm-d's router (its medium weights are what this module scores with).
+ROUTER_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "routers" / "llm-d-precise-prefix-cache.yaml"
+
+
+def configured_weights(path: Path = ROUTER_CONFIG) -> dict[str, float]:
+    """The medium weights an EndpointPickerConfig gives the precise-prefix-cache producer
+    (indexerConfig.kvCacheBackendConfigs), which replace llm-d's DEFAULT_WEIGHTS."""
+    config = yaml.safe_load(path.read_text())
+    producer = next(p for p in config["plugins"] if p["type"] == "precise-prefix-cache-producer")
+    backends = producer["parameters"]["indexerConfig"]["kvCacheBackendConfigs"]
+    return {b["name"]: float(b["weight"]) for b in backends}
 
 
 @dataclass(frozen=True)

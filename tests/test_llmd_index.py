@@ -14,9 +14,12 @@ from kvtier_client.event_media import DEFAULT_MEDIA
 from kvtier_client.tiers import Tier
 from llmd_events import DecodeError, decode_batch, engine_key, parse_topic
 from llmd_index import (
+    DEFAULT_WEIGHTS,
+    ROUTER_CONFIG,
     LlmdIndex,
     PodEntry,
     cbor,
+    configured_weights,
     fnv64a,
     longest_prefix_score,
     normalize_tier,
@@ -166,10 +169,10 @@ def test_frames_and_topics_outside_the_subscription_are_dropped():
 def test_a_topic_without_a_model_credits_the_whole_topic_hashed_with_no_model():
     """parseTopic: not exactly 3 parts -> the topic is the pod id, the model "" (kept)."""
     index = LlmdIndex()
-    publish(index, stored(Tier.DEVICE, [key(1)], tokens(16)), topic=f"kv@{POD}".encode())
+    publish(index, stored(Tier.HOST, [key(1)], tokens(16)), topic=f"kv@{POD}".encode())
     assert index.dropped == {"bad_topic": 1}
     assert index.score(MODEL, tokens(16)) == {}
-    assert index.score("", tokens(16)) == {f"kv@{POD}": 1.0}
+    assert index.score("", tokens(16)) == {f"kv@{POD}": 0.8}
 
 
 # -- the pool and index: pool_test.go ------------------------------------------------------
@@ -199,10 +202,10 @@ def test_source_endpoint_replaces_the_topics_pod():
 def test_unknown_parent_is_dropped_and_a_known_one_continues_the_chain():
     index = LlmdIndex()
     ids = tokens(32)
-    publish(index, stored(Tier.DEVICE, [key(2)], ids[16:], parent=key(1)))
+    publish(index, stored(Tier.HOST, [key(2)], ids[16:], parent=key(1)))
     assert index.dropped == {"unknown_parent": 1} and index.score(MODEL, ids) == {}
-    publish(index, stored(Tier.DEVICE, [key(1)], ids[:16]), stored(Tier.DEVICE, [key(2)], ids[16:], parent=key(1)))
-    assert index.score(MODEL, ids) == {POD: 2.0}
+    publish(index, stored(Tier.HOST, [key(1)], ids[:16]), stored(Tier.HOST, [key(2)], ids[16:], parent=key(1)))
+    assert index.score(MODEL, ids) == {POD: pytest.approx(1.6)}
     assert index.request_key_of(key(2)) == index.request_keys(MODEL, ids)[1]
 
 
@@ -254,11 +257,11 @@ def test_duplicate_store_survives_the_first_remove():
     re-announcement) needs two BlockRemoved before llm-d stops crediting it."""
     index = LlmdIndex()
     ids, keys = tokens(64), [key(800 + i) for i in range(4)]
-    publish(index, stored(Tier.DEVICE, keys, ids))
-    publish(index, stored(Tier.DEVICE, keys, ids))
-    publish(index, removed(Tier.DEVICE, keys))
-    assert index.score(MODEL, ids) == {POD: 4.0}
-    publish(index, removed(Tier.DEVICE, keys))
+    publish(index, stored(Tier.HOST, keys, ids))
+    publish(index, stored(Tier.HOST, keys, ids))
+    publish(index, removed(Tier.HOST, keys))
+    assert index.score(MODEL, ids) == {POD: pytest.approx(3.2)}
+    publish(index, removed(Tier.HOST, keys))
     assert index.score(MODEL, ids) == {}
     assert index.request_key_of(keys[0]) is None
 
@@ -337,7 +340,7 @@ def test_the_shared_storage_pseudo_pod_is_credited_to_no_endpoint():
     index = LlmdIndex()
     ids = tokens(32)
     publish(index, stored(Tier.CLUSTER, [key(1), key(2)], ids), topic=f"kv@SHARED_STORAGE@{MODEL}".encode())
-    assert index.score(MODEL, ids) == {"SHARED_STORAGE": 2.0}
+    assert index.score(MODEL, ids) == {"SHARED_STORAGE": pytest.approx(0.8)}  # 2 blocks of shared_storage
     assert index.score(MODEL, ids, pods=[POD, POD_B]) == {}
 
 
@@ -363,21 +366,43 @@ def test_longest_prefix_scorer(tier_1003, expected_a):
 
 
 def test_scoring_order_follows_prefix_length_and_tier_weight():
-    """Default weights gpu 1.0, cpu 0.8, and 1.0 for a medium not configured (DISK)."""
+    """PR #2809's defaults: gpu 1.0, cpu 0.8, shared_storage 0.4, and 0 for a medium not
+    configured (kvtier's HBM and DISK): their pods are candidates that earn nothing."""
     index = LlmdIndex()
     ids = tokens(64)
-    endpoints = {Tier.DEVICE: "10.0.0.1:8000", Tier.HOST: "10.0.0.2:8000", Tier.DISK: "10.0.0.3:8000"}
+    endpoints = {Tier.DEVICE: "10.0.0.1:8000", Tier.HOST: "10.0.0.2:8000", Tier.DISK: "10.0.0.3:8000",
+                 Tier.CLUSTER: "10.0.0.5:8000"}
     for n, (tier, endpoint) in enumerate(endpoints.items()):
         publish(index, stored(tier, [key(10 * n + i) for i in range(4)], ids), source_endpoint=endpoint)
-    publish(index, stored(Tier.DEVICE, [key(90), key(91)], ids[:32]), source_endpoint="10.0.0.4:8000")
+    engine = ["BlockStored", [key(90), key(91)], None, ids[:32], 16, None, "GPU", None]
+    index.feed(TOPIC, SEQ, msgspec.msgpack.encode([0.0, [engine], 0]), "10.0.0.4:8000")
     scores = index.score(MODEL, ids)
-    assert scores == {"10.0.0.1:8000": 4.0, "10.0.0.2:8000": pytest.approx(3.2), "10.0.0.3:8000": 4.0,
-                      "10.0.0.4:8000": 2.0}
-    assert index.match_blocks(MODEL, ids) == {"10.0.0.1:8000": 4, "10.0.0.2:8000": 3, "10.0.0.3:8000": 4,
-                                              "10.0.0.4:8000": 2}
+    assert scores == {"10.0.0.1:8000": 0.0, "10.0.0.2:8000": pytest.approx(3.2), "10.0.0.3:8000": 0.0,
+                      "10.0.0.5:8000": pytest.approx(1.6), "10.0.0.4:8000": 2.0}
+    assert index.match_blocks(MODEL, ids) == {"10.0.0.1:8000": 0, "10.0.0.2:8000": 3, "10.0.0.3:8000": 0,
+                                              "10.0.0.5:8000": 1, "10.0.0.4:8000": 2}
     assert index.score(MODEL, ids, pods=["10.0.0.2:8000", "10.0.0.4:8000"]) == {
         "10.0.0.2:8000": pytest.approx(3.2), "10.0.0.4:8000": 2.0}
-    assert LlmdIndex(unconfigured_weight=0.0).score(MODEL, ids) == {}  # the what-if, not llm-d's default
+
+
+def test_llm_d_weighs_the_cluster_tiers_medium_without_configuration():
+    """A router without kvtier's configuration still credits the shared cluster tier: its
+    medium is the one llm-d's defaults weigh for shared storage (SHARED_STORAGE, 0.4)."""
+    assert DEFAULT_MEDIA[Tier.CLUSTER] == "SHARED_STORAGE"
+    assert DEFAULT_WEIGHTS[tier_of(Tier.CLUSTER)] == 0.4
+    assert DEFAULT_WEIGHTS[tier_of(Tier.HOST)] == 0.8
+
+
+def test_kvtiers_router_configuration_weighs_every_medium_kvtier_sends():
+    """deploy/routers/ replaces llm-d's defaults, so it must name each tier's medium (an
+    unnamed one scores 0), rank them from the engine's GPU down to the cluster, and keep
+    llm-d's default weight for shared storage."""
+    weights = configured_weights()
+    media = [tier_of(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.CLUSTER)]
+    assert set(media) <= set(weights), f"{ROUTER_CONFIG.name} has no weight for {set(media) - set(weights)}"
+    ranked = [weights["gpu"], *(weights[m] for m in media)]
+    assert ranked == sorted(ranked, reverse=True) and min(ranked) > 0
+    assert weights[tier_of(Tier.CLUSTER)] == DEFAULT_WEIGHTS["shared_storage"]
 
 
 # -- vLLM's own classes --------------------------------------------------------------------

@@ -14,7 +14,7 @@ Two layouts, because the consumers straddle a change in vLLM:
 
 The batch itself is `[ts, events, data_parallel_rank]` in both.
 
-Tiers are named by kvtier_client.event_media (GPU, CPU, DISK, SHARED by default; the
+Tiers are named by kvtier_client.event_media (HBM, CPU, DISK, SHARED_STORAGE by default; the
 `events_media` option renames them); the cluster tier is storage that is not on this node,
 which vLLM says with `locality="REMOTE"` (its remote offload tiers do the same). Every event
 says `ownership="kvtier"`: vLLM's "secondary offloading tier identifier". Block hashes are

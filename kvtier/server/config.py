@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from kvtier_client.event_media import DEFAULT_MEDIA
+
 from kvtier.codecs import CodecName
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
@@ -388,8 +390,9 @@ OPTIONS: tuple[Option, ...] = (
            field="topic", metavar="TOPIC"),
     Option("events_cluster_topic", "events", TEXT, DEFAULT_CLUSTER_TOPIC, "ZMQ topic of the cluster tier's copies, "
            "shared by every daemon (same fields).", field="cluster_topic", metavar="TOPIC"),
-    Option("events_media", "events", TEXT, "", "Rename tiers' media in events: TIER=MEDIUM,... (defaults device=HBM, "
-           "host=CPU, disk=DISK, cluster=SHARED).", shown="HBM,CPU,DISK,SHARED", field="media", metavar="TIER=M,..."),
+    Option("events_media", "events", TEXT, "", "Rename tiers' media in events: TIER=MEDIUM,... (defaults "
+           + ", ".join(f"{tier.label}={medium}" for tier, medium in DEFAULT_MEDIA.items()) + ").",
+           shown=",".join(DEFAULT_MEDIA.values()), field="media", metavar="TIER=M,..."),
     Option("events_models", "events", TEXT, "", "The served model name of each namespace's engines, for {model}: "
            "NS=MODEL,... (an engine that names its model at Register wins).", shown="the namespace", field="models",
            metavar="NS=MODEL,..."),

@@ -361,12 +361,11 @@ def test_array_layout_close_and_slow_watchers_in_process():
             assert seqs == [last_seq + 1, 0]  # per topic, after the state told on subscribing
             # llm-d's engineadapter/vllm_adapter.go reads these positions: tag, hashes, parent,
             # token ids, block size, lora id, medium, lora name, extra keys, group, kind, window;
-            # Dynamo's zmq_wire then locality.
             # Dynamo's zmq_wire then locality and ownership.
             assert events == [
                 ["BlockStored", [b"k1"], None, [1, 2], 2, None, "CPU", None, None, None, None, None, None, "kvtier"],
                 ["BlockRemoved", [b"k0"], "DISK", None, None, "kvtier"],
-                ["BlockStored", [b"k2"], b"k1", [], 2, None, "SHARED", None, None, None, None, None, "REMOTE",
+                ["BlockStored", [b"k2"], b"k1", [], 2, None, "SHARED_STORAGE", None, None, None, None, None, "REMOTE",
                  "kvtier"],
             ]
             kept = missed = 0

@@ -15,12 +15,12 @@ import pytest
 from event_subscriber import BLOCK, LAYOUT, Sub, commit, prompt
 from kvtier_client import KVTierClient
 from kvtier_client.tiers import Tier
-from llmd_index import LlmdIndex
+from llmd_index import LlmdIndex, configured_weights
 from rpc import wait_for
 
 MODEL = "Qwen/Qwen3-8B"
 WAIT = 15.0
-WEIGHTS = {"gpu": 1.0, "hbm": 0.9, "cpu": 0.8, "disk": 0.5, "shared": 0.3}
+WEIGHTS = configured_weights()  # deploy/routers/, kvtier's configuration of llm-d's router
 
 
 class Router(Sub):
