@@ -259,8 +259,8 @@ class _Rep:
         self.keys = [i.to_bytes(8, "little") for i in range(pages)]
         self.pool = bench_pool(
             layout, pages, workdir, fsync=fsync, io_depth=io_depth,
-            # One prefetch call queues every page (the pool default of 256 would accept
-            # only the first 256), and a loaded page may be evicted at once, so that the
+            # One prefetch call queues every page (the pool default, 1024, would accept only
+            # the first 1024), and a loaded page may be evicted at once, so that the
             # benchmark can send the pages back to disk-only between measurements.
             max_queued_prefetch=max(pages, default_tiers().max_queued_prefetch),
             prefetch_hold=0.0,
