@@ -2,9 +2,9 @@
 
     present(ns, keys)     how many leading keys the cluster holds: one network round trip,
                           never under the lock
-    start_loads(ns, keys) a new block per key (none in the index), each with a loading host
-                          copy read by the remote port's readers (Loads.finish_load ends it)
-    prefetch(ns, keys)    the same for keys nobody waits for (held once loaded)
+    prefetch(ns, keys)    which keys to load for nobody in particular (held once loaded):
+                          those the cluster holds, up to the first this node has, as many
+                          as its read queue takes; kvtier.core.loads runs their loads
     hold / write          a commit's pages go to the cluster writer, their host copies held
                           until it reports (`cluster_write = commit`)
     copy_demoted(batch)   the pages of a disk write batch that the cluster lacks go to the
@@ -22,9 +22,9 @@ from kvtier_client.ids import SessionId
 from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity
-from kvtier.core.index import Block, BlockIndex, Copy
+from kvtier.core.index import Block, BlockIndex
 from kvtier.core.loads import Loads
-from kvtier.core.ports import LoadJob, LoadKind, PageRecord, RemotePort
+from kvtier.core.ports import LoadKind, RemotePort
 
 
 class ClusterCopies:
@@ -40,28 +40,6 @@ class ClusterCopies:
         """How many leading `keys` the cluster holds (0 when it fails); the lock released."""
         return self.remote.present(namespace, keys) if keys else 0
 
-    def start_loads(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
-                    kind: LoadKind, priority: int = 0) -> list[Block]:
-        """File a new block per key (none of them in the index), chained from `parent`, each
-        with a loading host copy and one waiter (the caller's), read from the cluster tier.
-        Raises CapacityError (or WriteOut) when room cannot be made, with nothing filed."""
-        index = self.index
-        self.capacity.make_room(Tier.HOST, len(keys), namespace, hint=kind is LoadKind.PREFETCH)
-        state = index.tiers[Tier.HOST]
-        prev = (namespace, parent) if parent is not None else None
-        blocks = []
-        for key in keys:
-            slot = state.slots.alloc()
-            self.capacity.own_host(slot, namespace)
-            record = PageRecord(namespace, key, -1, prev[1] if prev else None)
-            job = LoadJob(record, slot, kind, session, self.loads.finish_load, priority, source=Tier.CLUSTER)
-            ref = (namespace, key)
-            blocks.append(index.add_block(ref, prev, Tier.HOST, Copy(slot, loading=True, waiters=1, job=job)))
-            index.requests.loads_in_flight += 1
-            prev = ref
-            self.remote.load(job)
-        return blocks
-
     def prefetch(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
                  priority: int, hold: float = 0.0) -> int:
         """Prefetch keys the cluster holds, up to the first one this node has meanwhile;
@@ -71,7 +49,7 @@ class ClusterCopies:
         if not keys:
             return 0
         try:
-            blocks = self.start_loads(session, namespace, keys, parent, LoadKind.PREFETCH, priority)
+            blocks = self.loads.start_new(session, namespace, keys, parent, Tier.CLUSTER, LoadKind.PREFETCH, priority)
         except CapacityError:
             return 0
         self.index.stop_waiting(blocks, Tier.HOST)  # nobody waits: the hold protects them once loaded

@@ -1,19 +1,29 @@
-"""Loads and promotions: bringing cached pages up to the tier a request reads them from.
+"""The load life cycle: every page brought into host from a lower tier (disk, the cluster
+tier, any later source) goes through the same four steps here, whatever its source, and
+every port call is routed by the job's source (`Mechanism.source`).
 
-    start(ns, blocks, HOST)  one loading host copy per disk-only block (one per page however
-                          many callers: a second request joins the load in flight), read by
-                          the disk port's I/O workers; device-only blocks are copied down first;
-                          room is made for namespace `ns` (its quota)
-    finish_load(job, ok)  on an I/O worker: publish the page, or drop a corrupt one (disk and
-                          cluster loads: kvtier.core.cluster starts the latter)
-    wait_ready(blocks)    the lock released, until the pages are loaded or time is up
-    promote(ns, blocks)   host -> device in one copy-engine submission; returns at once
-                          with the transfer the engine waits on; `finish_promote` when it lands
+    begin     a loading host copy with one LoadJob and one waiter, handed to its source's
+              port (`PageSource.load`); room was made first, for the namespace's quota
+    join      another request waits on a copy already loading (one transfer per page);
+              an Acquire boosts the job ahead of prefetches on that job's own source
+    finish    the source reports (on its thread): publish the page, or drop it (a disk page
+              that fails is corrupt and leaves disk too; a cluster page is just a miss)
+    withdraw  a queued job is cancelled (its session ended, shutdown): dropped like a
+              failure, nothing counted corrupt; waiting acquires return what is ready
+
+    start(ns, blocks, HOST)   cached blocks: join their host copies, copy device-only ones
+                              down, begin a disk load for each disk-only one
+    start_new(ns, keys, src)  blocks this node lacks, read from `src` (the cluster room,
+                              kvtier.core.cluster, decides which keys)
+    wait_ready(blocks)        the lock released, until the pages are loaded or time is up
+    promote(ns, blocks)       host -> device in one copy-engine submission; returns at once
+                              with the transfer the engine waits on; `finish_promote` when it lands
 
 Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
 The `loaded` condition (on that same lock) is notified whenever a load, a promotion or a
-disk write ends. `start` may raise WriteOut (kvtier.core.capacity) like CapacityError, with
-nothing of its own left behind: the store writes the pages and starts it again.
+disk write ends. `start` and `start_new` may raise WriteOut (kvtier.core.capacity) like
+CapacityError, with nothing of their own left behind: the store writes the pages and starts
+again.
 """
 from __future__ import annotations
 
@@ -45,9 +55,8 @@ class Loads:
     # -- into host ------------------------------------------------------------
     def start(self, session: SessionId, namespace: str, blocks: list[Block], tier: Tier, kind: LoadKind,
               priority: int = 0) -> None:
-        """Register one waiter on each block's copy in `tier` (blocks of `namespace`), starting
-        a load for each block that has none (joining a load in flight instead: one transfer
-        per page).
+        """Register one waiter on each block's copy in `tier` (blocks of `namespace`), joining
+        a load in flight where there is one and beginning a disk load for each disk-only block.
 
         Raises CapacityError when room for the loads cannot be made, with no waiter or load
         left behind; device-only pages may have been given a host copy by then (a copy
@@ -77,21 +86,68 @@ class Loads:
         finally:
             index.stop_waiting(missing, Tier.DISK)
         if kind is LoadKind.ACQUIRE:
-            for b in present:
-                if b.copies[tier].job is not None:
-                    self.ports.disk.boost(b.copies[tier].job)  # an Acquire now waits on a queued prefetch
-        state = index.tiers[tier]
+            self._boost(present)
         for b in missing:
-            slot = state.slots.alloc()
-            # The slot holds this namespace's bytes from the read on, even if the page then
-            # fails its checksum.
-            self.capacity.own_host(slot, namespace)
             source = b.copies[Tier.DISK]
-            source.readers += 1  # the disk slot must not be reused while we read it
-            job = LoadJob(source.record, slot, kind, session, self.finish_load, priority)
-            index.add_copy(b, tier, Copy(slot, loading=True, waiters=1, job=job))
-            index.requests.loads_in_flight += 1
-            self.ports.disk.load(job)
+            source.readers += 1  # the disk slot must not be reused while we read it; `_end` lets go
+            job, copy = self._job(session, namespace, source.record, Tier.DISK, kind, priority)
+            index.add_copy(b, tier, copy)
+            self._begin(job)
+
+    def start_new(self, session: SessionId, namespace: str, keys: list[bytes], parent: bytes | None,
+                  source: Tier, kind: LoadKind, priority: int = 0) -> list[Block]:
+        """File a new block per key (none of them in the index), chained from `parent`, each
+        with a loading host copy and one waiter (the caller's), read from `source`.
+        Raises CapacityError (or WriteOut) when room cannot be made, with nothing filed."""
+        index = self.index
+        self.capacity.make_room(Tier.HOST, len(keys), namespace, hint=kind is LoadKind.PREFETCH)
+        prev = (namespace, parent) if parent is not None else None
+        blocks = []
+        for key in keys:
+            record = PageRecord(namespace, key, -1, prev[1] if prev else None)  # names no slot of `source`
+            job, copy = self._job(session, namespace, record, source, kind, priority)
+            ref = (namespace, key)
+            blocks.append(index.add_block(ref, prev, Tier.HOST, copy))
+            prev = ref
+            self._begin(job)
+        return blocks
+
+    def _job(self, session: SessionId, namespace: str, record: PageRecord, source: Tier, kind: LoadKind,
+             priority: int) -> tuple[LoadJob, Copy]:
+        """A host slot (room was made) and the loading copy whose job fills it."""
+        slot = self.index.tiers[Tier.HOST].slots.alloc()
+        # The slot holds this namespace's bytes from the read on, even if the page then fails.
+        self.capacity.own_host(slot, namespace)
+        job = LoadJob(record, slot, kind, session, self.finish_load, priority, source=source)
+        return job, Copy(slot, loading=True, waiters=1, job=job)
+
+    def _begin(self, job: LoadJob) -> None:
+        self.index.requests.loads_in_flight += 1
+        self.ports.source(job.source).load(job)
+
+    def _boost(self, blocks: list[Block]) -> None:
+        """An Acquire now waits on these host copies: their queued loads go first, each on
+        the port of its own source."""
+        for b in blocks:
+            job = b.copies[Tier.HOST].job
+            if job is not None:
+                self.ports.source(job.source).boost(job)
+
+    def _end(self, job: LoadJob) -> Block:
+        """What every ended job undoes, finished or withdrawn: returns its block."""
+        block = self.index.block_of(job)
+        if job.source is Tier.DISK:
+            block.copies[Tier.DISK].readers -= 1
+        block.copies[Tier.HOST].job = None
+        self.index.requests.loads_in_flight -= 1
+        return block
+
+    def _fail(self, block: Block) -> None:
+        """Drop a host copy whose load did not land. Waiting acquires see it gone and stop
+        their ready prefix before it."""
+        self.index.loaded(block, Tier.HOST, False)
+        block.copies[Tier.HOST].waiters = 0
+        self.capacity.drop([block], Tier.HOST)
 
     def finish_load(self, job: LoadJob, ok: bool) -> None:
         """A load ended: publish or drop the page. A dropped disk copy's index entry is
@@ -101,18 +157,13 @@ class Loads:
         with self._lock:
             index = self.index
             staged: list[PageRecord] = []
-            block = index.block_of(job)
-            copy = block.copies[Tier.HOST]
+            block = self._end(job)
             from_disk = job.source is Tier.DISK
-            if from_disk:
-                block.copies[Tier.DISK].readers -= 1
-            index.loaded(block, Tier.HOST, ok)
-            copy.job = None
-            index.requests.loads_in_flight -= 1
-            state = index.tiers[Tier.HOST]
             if ok:
-                block.in_cluster = block.in_cluster or not from_disk
+                index.loaded(block, Tier.HOST, True)
+                block.in_cluster = block.in_cluster or job.source is Tier.CLUSTER
                 index.hold(block, Tier.HOST, time.monotonic() + (job.hold or self.prefetch_hold))
+                state = index.tiers[Tier.HOST]
                 state.counters.promotions += 1
                 state.counters.bytes_in += self.page_bytes
                 entry = block.entry(Tier.HOST)
@@ -120,10 +171,8 @@ class Loads:
                     entry = replace(entry, length=job.record.length, checksum=job.record.checksum)
                 staged = self.ports.host.stage([entry])
             else:
-                # Waiting acquires see the copy gone and stop their ready prefix before it.
-                copy.waiters = 0
-                self.capacity.drop([block], Tier.HOST)
-                if from_disk:
+                self._fail(block)
+                if from_disk:  # the disk's bytes are bad: that copy goes too
                     self.capacity.drop([block], Tier.DISK)
                     index.corrupted(block)
             self.loaded.notify_all()
@@ -182,14 +231,7 @@ class Loads:
 
     def _withdraw(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
-            block = self.index.block_of(job)
-            if job.source is Tier.DISK:
-                block.copies[Tier.DISK].readers -= 1
-            copy = block.copies[Tier.HOST]
-            self.index.loaded(block, Tier.HOST, False)
-            copy.job, copy.waiters = None, 0
-            self.index.requests.loads_in_flight -= 1
-            self.capacity.drop([block], Tier.HOST)
+            self._fail(self._end(job))
         if jobs:
             self.loaded.notify_all()
 

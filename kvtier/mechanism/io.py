@@ -38,6 +38,7 @@ class IOStats:
     queued_prefetch: int
     in_flight: int
     depth: int
+    failed_batches: int = 0
 
 
 #: Called with (kind, seconds from enqueue to done, bytes read, ok) for every finished job.
@@ -69,6 +70,7 @@ class PageReader:
         self._heap: list[tuple[int, int, int, LoadJob]] = []  # (kind, -priority, seq, job); may hold stale entries
         self._queued = {LoadKind.ACQUIRE: 0, LoadKind.PREFETCH: 0}
         self._in_flight = 0
+        self.failed_batches = 0  # batches whose read raised (their jobs failed; see `_work`)
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -118,7 +120,8 @@ class PageReader:
 
     def stats(self) -> IOStats:
         with self._cond:
-            return IOStats(self._queued[LoadKind.ACQUIRE], self._queued[LoadKind.PREFETCH], self._in_flight, self.depth)
+            return IOStats(self._queued[LoadKind.ACQUIRE], self._queued[LoadKind.PREFETCH], self._in_flight, self.depth,
+                           self.failed_batches)
 
     def close(self) -> None:
         """Stop the workers after the jobs in flight; queued jobs are not run (their pages
@@ -160,7 +163,16 @@ class PageReader:
 
     def _work(self) -> None:
         while jobs := self._next():
-            results = self._read(jobs)
+            try:
+                results = self._read(jobs)
+            except Exception:
+                # A job this source cannot read (a bug, or a record it does not understand)
+                # fails like a bad page, and its waiters are told: a worker that died here
+                # would leave every later load in flight for good.
+                log.exception("%s reader: a batch of %d load(s) failed; their pages are dropped", self.source, len(jobs))
+                with self._cond:
+                    self.failed_batches += 1
+                results = [False] * len(jobs)
             with self._cond:
                 self._in_flight -= len(jobs)
                 self._busy_bytes += self.slot_bytes * sum(results)

@@ -4,6 +4,8 @@ A prefix committed on node A is found, acquired and byte-equal on node B; every 
 miss and a counter on B, never an error and never a wrong page."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -390,3 +392,31 @@ def test_with_a_seal_key_a_forged_or_foreign_value_is_a_miss(nodes, tmp_path):
                what="node A's pages in the cluster")
     with pytest.raises(NotFound, match="key 0"):
         c.acquire(keys2)
+
+
+def test_an_acquire_that_joins_a_queued_cluster_prefetch_returns(nodes):
+    """The vLLM worker's sequence: the scheduler prefetches a prompt at its arrival, and the
+    worker acquires it (Wait.ALL) while those loads still wait in the cluster reader's queue.
+    The acquire joins them and returns. (It once boosted them on the disk reader, whose
+    worker died on them, and never returned; a phantom corrupt disk page was counted.)"""
+    a, b = nodes("a"), nodes("b")
+    prompts = [committed_on(a, b, seed=1200 + i, blocks=64) for i in range(12)]
+    keys = [k for ks, _ in prompts for k in ks]
+    last_keys, last_data = prompts[-1]
+    assert b.prefetch(keys) == len(keys)
+    # Freeze the cluster: the readers' batches in flight wait on it, the rest stay queued.
+    for node in nodes.cluster.nodes:
+        os.kill(node.pid, signal.SIGSTOP)
+    outcome: list = []
+    try:
+        acquirer = threading.Thread(target=lambda: outcome.append(read_checked(b, last_keys, last_data)), daemon=True)
+        acquirer.start()
+        acquirer.join(0.2)
+    finally:
+        for node in nodes.cluster.nodes:
+            os.kill(node.pid, signal.SIGCONT)
+    acquirer.join(30)
+    assert not acquirer.is_alive(), "the acquire that joined queued cluster loads never returned"
+    assert outcome == [64]  # the joined loads landed, every page the one written
+    host = b.stats().pool(b.pool.pool_id)
+    assert host.tier(Tier.DISK).corrupt_pages == 0
