@@ -165,7 +165,7 @@ class Reads:
         if remote:
             parent = keys[len(blocks) - 1] if blocks else None
             try:
-                from_cluster = self.cluster.start_loads(session, namespace, remote, parent, LoadKind.ACQUIRE)
+                from_cluster = loads.start_new(session, namespace, remote, parent, Tier.CLUSTER, LoadKind.ACQUIRE)
             except BaseException:
                 index.stop_waiting(via_host, Tier.HOST)
                 index.stop_waiting(on_device, Tier.DEVICE)

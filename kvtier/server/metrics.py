@@ -220,13 +220,16 @@ class _DiskCollector:
         written = CounterMetricFamily("kvtier_disk_written_bytes", "Bytes written to the disk tier.", labels=["pool"])
         queued = GaugeMetricFamily("kvtier_disk_queue_depth", "Disk loads waiting for a reader, by kind.", labels=["pool", "kind"])
         in_flight = GaugeMetricFamily("kvtier_disk_reads_in_flight", "Disk loads being read now.", labels=["pool"])
+        failed = CounterMetricFamily("kvtier_disk_read_failed_batches", "Disk reads that raised instead of reading: "
+                                     "their loads failed and their pages were dropped (the log has why).", labels=["pool"])
         for pool_id, io, bytes_read, bytes_written in self._snapshot():
             read.add_metric([pool_id], bytes_read)
             written.add_metric([pool_id], bytes_written)
             queued.add_metric([pool_id, "acquire"], io.queued_acquire)
             queued.add_metric([pool_id, "prefetch"], io.queued_prefetch)
             in_flight.add_metric([pool_id], io.in_flight)
-        yield from (read, written, queued, in_flight)
+            failed.add_metric([pool_id], io.failed_batches)
+        yield from (read, written, queued, in_flight, failed)
 
 
 class _ClusterCollector:
