@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+from kvtier_client.errors import KVTierError
+
 from kvtier.core.hints import Hint
 from kvtier.core.store import BlockStore
 from kvtier.mechanism.formats import HINTS, Reading
@@ -50,14 +52,20 @@ class HintKeeper:
         return restored
 
     def _run(self) -> None:
-        self.store.control.pins.sweep()  # the restored hard pins start loading now
+        self._sweep()  # the restored hard pins start loading now
         while not self._stopped.wait(self._interval):
             self.tick()
 
     def tick(self) -> None:
         self.store.control.expire()
         self._save()
-        self.store.control.pins.sweep()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        try:
+            self.store.control.pins.sweep()
+        except KVTierError as exc:  # the keeper goes on: the next sweep tries again
+            log.warning("could not start loading hard-pinned blocks; retrying", extra={"reason": str(exc)})
 
     def _save(self) -> None:
         lasting = self.store.control.lasting()
