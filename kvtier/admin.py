@@ -301,7 +301,7 @@ def _namespace_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
 
 
 _HINT_COLUMNS = ["namespace", "hard pinned", "soft pinned", "retained high", "retained cold", "hard-pin limit",
-                 "next TTL end"]
+                 "next TTL end", "hard in host", "hard loading/waiting"]
 
 
 def _hint_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
@@ -312,7 +312,8 @@ def _hint_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
         if h.hard_pinned or h.soft_pinned or h.high or h.cold:
             rows.append((ns.namespace, str(h.hard_pinned), str(h.soft_pinned), str(h.high), str(h.cold),
                          str(h.hard_pin_limit or "-"),
-                         f"in {h.next_expiry_seconds:.0f} s" if h.next_expiry_seconds else "no TTL"))
+                         f"in {h.next_expiry_seconds:.0f} s" if h.next_expiry_seconds else "no TTL",
+                         str(h.hard_in_host), f"{h.hard_loading}/{h.hard_waiting}"))
     return rows
 
 

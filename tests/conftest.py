@@ -15,7 +15,10 @@ from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.server.config import default_tiers
 from kvtier.server.pools import Pool
 
-pytest_plugins = ["redis_cluster_plugin"]  # redis_cluster, redis_cluster_replicas: a real Redis Cluster on loopback
+pytest_plugins = [
+    "redis_cluster_plugin",  # redis_cluster, redis_cluster_replicas: a real Redis Cluster on loopback
+    "shared_data_plugin",  # mooncake_trace: the shared trace, or a skip that says where it was looked for
+]
 
 #: A small layout whose page (3072 bytes) is not a whole slot (4096), so padding is exercised.
 SMALL_LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")

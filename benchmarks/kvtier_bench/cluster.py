@@ -51,6 +51,7 @@ from kvtier_bench.harness import (
 from kvtier_bench.internals import ChildDaemon, read_trace
 from kvtier_bench.peers.redis import version as redis_version
 from kvtier_bench.redis_cluster import SETUP_HINT, LocalRedisCluster
+from kvtier_bench.shared_data import absent, shown
 from kvtier_bench.trace import DEFAULT_TRACE, infinite_hits
 
 PAGE_SIZES = (256 * KiB, 2 * MiB)
@@ -356,8 +357,7 @@ def replay(requests: Sequence[list[int]], workdir: Path, *, cluster_url: str | N
 
 def load_requests(path: str | os.PathLike, limit: int | None) -> list[list[int]]:
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is absent: the Mooncake conversation trace is needed "
-                                "(see /work/shared/data/mooncake/README.md, or pass --trace)")
+        raise FileNotFoundError(f"{absent(path)}, or pass --trace")
     out = []
     for ids in read_trace(str(path)):
         if limit is not None and len(out) >= limit:
@@ -440,7 +440,7 @@ def run_cluster(
         hit, looked_up = infinite_hits(trace_requests)
         infinite = hit / looked_up if looked_up else 0.0
     return ClusterResult(utc_now(), machine_description(directory), redis_version(), MASTERS, batch, reps, tuple(rows),
-                         str(trace) if trace is not None else None, len(trace_requests), infinite, tuple(runs),
+                         shown(trace) if trace is not None else None, len(trace_requests), infinite, tuple(runs),
                          host_pages, disk_pages, time.perf_counter() - t0)
 
 

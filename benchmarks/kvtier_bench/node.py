@@ -46,6 +46,7 @@ from kvtier_bench.harness import (
 from kvtier_bench.internals import TRACE_BLOCK_TOKENS, ChildDaemon, read_timed_trace
 from kvtier_bench.node_engine import LAYOUT, LEASE_PAGES
 from kvtier_bench.node_routing import make_router
+from kvtier_bench.shared_data import absent, shown
 from kvtier_bench.trace import DEFAULT_TRACE, infinite_hits
 
 ENGINES = 4
@@ -292,8 +293,7 @@ class NodeResult:
 def load_requests(path: str | os.PathLike, limit: int | None = None) -> list[list[int]]:
     """The trace's requests in time order (a stable sort by timestamp), the first `limit`."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is absent: the Mooncake conversation trace is needed "
-                                "(see /work/shared/data/mooncake/README.md, or pass --trace)")
+        raise FileNotFoundError(f"{absent(path)}, or pass --trace")
     timed = sorted(read_timed_trace(str(path)), key=lambda request: request[0])
     return [ids for _, ids in timed[:limit]]
 
@@ -338,6 +338,6 @@ def run_node(
             points.append(Point(fraction, private * ENGINES, private * ENGINES * disk_factor, tuple(runs)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return NodeResult(utc_now(), machine_description(directory), str(trace), len(trace_requests), looked_up, distinct,
+    return NodeResult(utc_now(), machine_description(directory), shown(trace), len(trace_requests), looked_up, distinct,
                       hit / looked_up if looked_up else 0.0, policy, disk_factor, tuple(points),
                       time.perf_counter() - t0)

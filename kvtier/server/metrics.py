@@ -163,12 +163,17 @@ class _NamespaceCollector:
         expiry = GaugeMetricFamily(
             "kvtier_hint_next_expiry_seconds", "Seconds until a namespace's first hint with a TTL ends; 0: none has one.",
             labels=["pool", "kvtier_namespace"])
+        hard = GaugeMetricFamily(
+            "kvtier_hard_pinned_pages", "A namespace's hard-pinned blocks by where their host copy is: in_host (held), "
+            "loading, waiting (no host copy yet: loaded as room appears).", labels=["pool", "kvtier_namespace", "state"])
         for pool, stats in self._snapshot():
             for ns in stats.namespaces:
                 usage = pool.store.control.usage(ns.namespace)
                 for kind in ("hard", "soft", "high", "cold"):
                     hinted.add_metric([pool.pool_id, ns.namespace, kind], getattr(usage, kind))
                 expiry.add_metric([pool.pool_id, ns.namespace], usage.next_expiry_seconds)
+                for state in ("in_host", "loading", "waiting"):
+                    hard.add_metric([pool.pool_id, ns.namespace, state], getattr(usage, f"hard_{state}"))
                 for reason, count in sorted(ns.misses.items()):
                     if count:
                         misses.add_metric([pool.pool_id, ns.namespace, reason], count)
@@ -180,7 +185,7 @@ class _NamespaceCollector:
                     for kind, value in (("max", t.max_pages), ("guaranteed", t.guaranteed_pages)):
                         if value:  # 0 = no quota
                             quotas.add_metric([*lv, kind], value)
-        yield from (pages, quotas, hits, evictions, misses, hinted, expiry)
+        yield from (pages, quotas, hits, evictions, misses, hinted, expiry, hard)
 
 
 class _MemoryCollector:

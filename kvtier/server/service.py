@@ -115,7 +115,9 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
 
 def hint_stats_pb(usage: PinUsage) -> pb.HintStats:
     return pb.HintStats(hard_pinned=usage.hard, soft_pinned=usage.soft, high=usage.high, cold=usage.cold,
-                        next_expiry_seconds=usage.next_expiry_seconds, hard_pin_limit=usage.hard_limit)
+                        next_expiry_seconds=usage.next_expiry_seconds, hard_pin_limit=usage.hard_limit,
+                        hard_in_host=usage.hard_in_host, hard_loading=usage.hard_loading,
+                        hard_waiting=usage.hard_waiting)
 
 
 def namespace_stats_pb(usage: NamespaceUsage, hints: PinUsage) -> pb.NamespaceStats:

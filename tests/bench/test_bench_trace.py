@@ -9,7 +9,6 @@ from click.testing import CliRunner
 
 from kvtier_bench import shapes
 from kvtier_bench.trace import (
-    DEFAULT_TRACE,
     MOONCAKE_2ND_HALF,
     POLICIES,
     Line,
@@ -84,11 +83,9 @@ def test_infinite_is_an_upper_bound_and_belady_beats_lru_on_a_synthetic_trace(tm
         assert lru.hit_blocks <= b_hits <= inf_hits, capacity
 
 
-def test_belady_is_at_least_lru_on_a_slice_of_the_real_trace():
-    if not DEFAULT_TRACE.exists():
-        pytest.skip(f"{DEFAULT_TRACE} is absent: the shared Mooncake trace is needed for this check")
+def test_belady_is_at_least_lru_on_a_slice_of_the_real_trace(mooncake_trace):
     requests = []
-    for ids in read_trace(str(DEFAULT_TRACE)):
+    for ids in read_trace(str(mooncake_trace)):
         requests.append(ids)
         if len(requests) == 1500:
             break
@@ -184,19 +181,18 @@ def test_the_second_half_is_counted_after_the_first_warms_the_cache(tmp_path):
     assert result.points[0].rates["lru"] == replay(ids, host_pages=40, measure_from=middle).block_hit_rate
 
 
-def test_the_second_half_of_the_real_trace_is_measured_from_its_midpoint():
-    if not DEFAULT_TRACE.exists():
-        pytest.skip(f"{DEFAULT_TRACE} is absent: the shared Mooncake trace is needed for this check")
+def test_the_second_half_of_the_real_trace_is_measured_from_its_midpoint(mooncake_trace):
     timed = []
-    for request in read_timed_trace(str(DEFAULT_TRACE)):
+    for request in read_timed_trace(str(mooncake_trace)):
         timed.append(request)
         if len(timed) == 1500:
             break
     middle = halfway([t for t, _ in timed])
     assert 0 < middle < 1500
-    result = run_trace(DEFAULT_TRACE, shape=MOONCAKE_2ND_HALF, limit=1500, capacities=(500,), policies=("lru",),
+    result = run_trace(mooncake_trace, shape=MOONCAKE_2ND_HALF, limit=1500, capacities=(500,), policies=("lru",),
                        disk_factor=0, workers=1)
     assert (result.warmup_requests, result.requests) == (middle, 1500 - middle)
+    assert result.trace == "../shared/data/mooncake/conversation_trace.jsonl"  # results name it from the repository
     lru = replay([ids for _, ids in timed], host_pages=500, measure_from=middle)
     assert result.points[0].rates["lru"] == lru.block_hit_rate and result.blocks == lru.blocks
 

@@ -4,11 +4,10 @@ hit the benchmark counts is one the daemons' own counters saw; never the speeds.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from click.testing import CliRunner
-from kvtier_bench.node import DEFAULT_TRACE, ENGINES, run_node
+from kvtier_bench.node import ENGINES, run_node
 from kvtier_bench.node_routing import PrefixAffinity, RoundRobin
 
 from kvtier.cli import main
@@ -39,9 +38,8 @@ def _checked_against_the_daemons(run) -> None:
     assert run.hits > 0 and run.hit_rate <= run.ceiling
 
 
-@pytest.mark.skipif(not os.path.exists(DEFAULT_TRACE), reason=f"{DEFAULT_TRACE} is absent (see shared/data/mooncake)")
-def test_a_shared_daemon_hits_at_least_as_often_as_private_ones_on_the_mooncake_trace(bench_dir):
-    result = run_node(DEFAULT_TRACE, requests=600, fractions=(0.25,), setups=("shared", "private"),
+def test_a_shared_daemon_hits_at_least_as_often_as_private_ones_on_the_mooncake_trace(bench_dir, mooncake_trace):
+    result = run_node(mooncake_trace, requests=600, fractions=(0.25,), setups=("shared", "private"),
                       directory=str(bench_dir))
     (point,) = result.points
     shared, private = point.run("shared"), point.run("private")

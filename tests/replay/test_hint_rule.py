@@ -22,17 +22,14 @@ from kvtier.replay.hints import (
 )
 from kvtier.replay.mooncake import halfway, read_timed_trace, replay
 
-MOONCAKE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 KVTIER = str(Path(sys.executable).parent / "kvtier")
 HEAD = 1500  # about 8 minutes of trace: several TTLs of a few median gaps
 HOST_PAGES = 400  # small enough that eviction chooses between hinted and normal blocks
 
 
 @pytest.fixture(scope="module")
-def timed() -> list[tuple[int, list[int]]]:
-    if not MOONCAKE.exists():
-        pytest.skip(f"{MOONCAKE} is absent: the shared Mooncake trace is needed for this check (see its README)")
-    return list(itertools.islice(read_timed_trace(str(MOONCAKE)), HEAD))
+def timed(mooncake_trace) -> list[tuple[int, list[int]]]:
+    return list(itertools.islice(read_timed_trace(str(mooncake_trace)), HEAD))
 
 
 def run(timed, hook=None) -> ContinueTTL:

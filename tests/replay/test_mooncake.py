@@ -11,7 +11,6 @@ import pytest
 from kvtier.replay.mooncake import read_trace, replay
 
 KVTIER = str(Path(sys.executable).parent / "kvtier")
-MOONCAKE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
 
 # Four requests, ten blocks. Worked by hand below for each configuration.
 TINY = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]
@@ -30,10 +29,8 @@ def tiny_trace(tmp_path) -> Path:
     return path
 
 
-def test_mooncake_conversation_trace_matches_the_published_lru_figure():
-    if not MOONCAKE.exists():
-        pytest.skip(f"{MOONCAKE} is absent: the shared Mooncake trace is needed for this check (see its README)")
-    out = run_replay(MOONCAKE, "--host-pages", "5859", "--policy", "lru", "--json")
+def test_mooncake_conversation_trace_matches_the_published_lru_figure(mooncake_trace):
+    out = run_replay(mooncake_trace, "--host-pages", "5859", "--policy", "lru", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     # The trace's README: one-tier LRU of 5,859 blocks, touched in request order -> 0.136.

@@ -502,20 +502,26 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ..., hints: _Optional[_Union[HintStats, _Mapping]] = ...) -> None: ...
 
 class HintStats(_message.Message):
-    __slots__ = ("hard_pinned", "soft_pinned", "high", "cold", "next_expiry_seconds", "hard_pin_limit")
+    __slots__ = ("hard_pinned", "soft_pinned", "high", "cold", "next_expiry_seconds", "hard_pin_limit", "hard_in_host", "hard_loading", "hard_waiting")
     HARD_PINNED_FIELD_NUMBER: _ClassVar[int]
     SOFT_PINNED_FIELD_NUMBER: _ClassVar[int]
     HIGH_FIELD_NUMBER: _ClassVar[int]
     COLD_FIELD_NUMBER: _ClassVar[int]
     NEXT_EXPIRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HARD_PIN_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HARD_IN_HOST_FIELD_NUMBER: _ClassVar[int]
+    HARD_LOADING_FIELD_NUMBER: _ClassVar[int]
+    HARD_WAITING_FIELD_NUMBER: _ClassVar[int]
     hard_pinned: int
     soft_pinned: int
     high: int
     cold: int
     next_expiry_seconds: float
     hard_pin_limit: int
-    def __init__(self, hard_pinned: _Optional[int] = ..., soft_pinned: _Optional[int] = ..., high: _Optional[int] = ..., cold: _Optional[int] = ..., next_expiry_seconds: _Optional[float] = ..., hard_pin_limit: _Optional[int] = ...) -> None: ...
+    hard_in_host: int
+    hard_loading: int
+    hard_waiting: int
+    def __init__(self, hard_pinned: _Optional[int] = ..., soft_pinned: _Optional[int] = ..., high: _Optional[int] = ..., cold: _Optional[int] = ..., next_expiry_seconds: _Optional[float] = ..., hard_pin_limit: _Optional[int] = ..., hard_in_host: _Optional[int] = ..., hard_loading: _Optional[int] = ..., hard_waiting: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces", "history_entries", "history_limit", "history_bytes")
