@@ -35,11 +35,12 @@ from pathlib import Path
 
 from kvtier_bench import shapes
 from kvtier_bench.harness import progress_bar, utc_now
+from kvtier_bench.shared_data import absent, mooncake_trace, shown
 from kvtier_bench.internals import (CODECS, DEFAULT_LAYOUT, TRACE_BLOCK_TOKENS, CodecRatio, PolicyName, describe, halfway,
                                    measure_ratio, read_timed_trace, replay, replay_policy)
 
-#: Where every developer machine and CI have the trace (never copied into the repository).
-DEFAULT_TRACE = Path(os.environ.get("KVTIER_MOONCAKE_TRACE", "/work/shared/data/mooncake/conversation_trace.jsonl"))
+#: The shared Mooncake trace, beside the clone or under $KVTIER_SHARED_DATA (kvtier_bench.shared_data).
+DEFAULT_TRACE = mooncake_trace()
 POLICIES = tuple(p.value for p in PolicyName)
 #: The reference every series is divided by in `x lru`.
 REFERENCE = PolicyName.LRU.value
@@ -148,7 +149,7 @@ class Source:
     @property
     def description(self) -> str:
         if self.shape in (MOONCAKE, MOONCAKE_2ND_HALF):
-            return self.path
+            return shown(self.path)
         return f"synthetic, seed {self.seed}, scale {self.scale:g}: {shapes.describe(self.shape)}"
 
 
@@ -346,7 +347,7 @@ def _sources(shape_names: Sequence[str], trace: str, limit: int | None, seed: in
     if unknown:
         raise ValueError(f"unknown trace shape {unknown[0]!r}; use one of {', '.join(SHAPES)}")
     if {MOONCAKE, MOONCAKE_2ND_HALF} & set(shape_names) and not os.path.exists(trace):
-        raise FileNotFoundError(f"{trace} is absent: the Mooncake conversation trace is needed (see shared/data/mooncake/README.md)")
+        raise FileNotFoundError(f"{absent(trace)}, or pass --trace")
     return [Source(s, trace, limit, seed, scale) for s in dict.fromkeys(shape_names)]
 
 
