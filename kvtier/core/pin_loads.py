@@ -54,7 +54,8 @@ class PinnedPages:
 
 
 class PinLoads:
-    def __init__(self, index: BlockIndex, lock: threading.RLock, prefetch: Callable[[SessionId, str, list[bytes]], int]) -> None:
+    def __init__(self, index: BlockIndex, lock: threading.RLock,
+                 prefetch: Callable[[SessionId, str, list[bytes]], int]) -> None:
         """`prefetch(session, namespace, keys)`: the store's prefetch into host; returns how
         many leading keys it took."""
         self.index = index
@@ -79,7 +80,7 @@ class PinLoads:
     def pinned(self, namespace: str, keys: list[bytes]) -> int:
         """`keys` of `namespace` were just hard-pinned: start loading those with no host
         copy now (the lock not held); those it cannot load wait for a sweep. Returns how
-        many loads it asked for."""
+        many of those the prefetch took."""
         with self._lock:
             self.want((namespace, key) for key in keys)
             cold = self._settle([(namespace, key) for key in dict.fromkeys(keys)]).get(namespace, [])
@@ -87,7 +88,7 @@ class PinLoads:
 
     def sweep(self) -> int:
         """Start loads for the waiting blocks that have no host copy (the lock not held).
-        Returns how many loads it asked for."""
+        Returns how many of those the prefetches took."""
         with self._lock:
             if not self._waiting:
                 return 0
