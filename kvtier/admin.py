@@ -347,6 +347,17 @@ def _tier_rows(pool: pb.PoolStats) -> list[tuple[str, ...]]:
     return rows
 
 
+def served_line(pool: pb.PoolStats) -> str:
+    """The hit rate to read (docs/metrics.md, "Found and served"): blocks kvtier served
+    (lent to acquires) over the blocks looked up beyond those the engines held themselves."""
+    served = {t.tier: t.served_blocks for t in pool.tiers if t.served_blocks}
+    total = sum(served.values())
+    rate = total / pool.lookup_blocks if pool.lookup_blocks else 0.0
+    tiers = ", ".join(f"{_TIER_NAMES.get(tier, str(tier))} {n}" for tier, n in sorted(served.items()))
+    return (f"served rate {rate:.3f}: kvtier served {total} blocks{f' ({tiers})' if tiers else ''} of the "
+            f"{pool.lookup_blocks} looked up beyond the {pool.engine_blocks} the engines held themselves")
+
+
 def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
     """The stats as one renderable: a headline, then per pool a line about its layout, its
     tiers' table and its namespaces' table."""
@@ -364,6 +375,7 @@ def stats_view(reply: pb.StatsResponse, plain: bool = True) -> RenderableType:
             f"{pool.lookup_blocks} blocks looked up, {pool.miss_blocks} missed; miss history {pool.history_entries} of "
             f"{pool.history_limit} blocks ({_human_bytes(pool.history_bytes)})", style="" if plain else "green"))
         parts.append(SplitTable(_TIER_COLUMNS, _tier_rows(pool), sections=_TIER_SECTIONS, plain=plain))
+        parts.append(Text(served_line(pool), style=strong))
         if pool.namespaces:
             parts.append(SplitTable(_NAMESPACE_COLUMNS, _namespace_rows(pool), keys=2, left=2, text_last=True, plain=plain))
         if hints := _hint_rows(pool):

@@ -49,7 +49,7 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.protocol import (
-    PAGE_PIECE_BYTES, Granted, Steer, Wait, check_lent_tier, check_token_ids, wait_request,
+    PAGE_PIECE_BYTES, Granted, Steer, Wait, check_known, check_lent_tier, check_token_ids, wait_request,
 )
 from kvtier_client.results import CommitResult, Explanation, LookupResult, PoolInfo, Stats
 from kvtier_client.steering import MAX_PREFETCH_HOLD, Action, PinMode, Priority, SteerResult
@@ -429,11 +429,16 @@ class KVTierClient:
             token_ids, info.layout.block_tokens, salt=salt, extras=extras, algorithm=info.algorithm, parent=parent
         )
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """How many leading keys are cached, and the fastest tier of each."""
-        return self._in_session(lambda s: s.path.lookup(keys))
+    def lookup(self, keys: Sequence[BlockKey], *, known: int = 0) -> LookupResult:
+        """How many leading keys are cached, and the fastest tier of each. `known`: how many
+        leading keys the engine holds in its own cache already (vLLM: its computed tokens
+        over the block size). The answer is the same; the daemon counts those blocks as the
+        engine's, not as its hits, so its hit rates say what kvtier found beyond the engine
+        (docs/metrics.md). A daemon from before `known` is not sent it."""
+        check_known(known, len(keys))  # ValueError, before anything is sent
+        return self._in_session(lambda s: s.path.lookup(keys, known if s.info.lookup_known else 0))
 
-    def lookup_groups(self, groups: Sequence[GroupQuery]) -> GroupLookup:
+    def lookup_groups(self, groups: Sequence[GroupQuery], *, known: int = 0) -> GroupLookup:
         """A hybrid model's lookup, in one call: the longest prefix (in blocks) for which
         every KV cache group holds what it needs to restore it (every block, a trailing
         window, or the state at the end: kvtier_client.groups), and which blocks each
@@ -443,13 +448,14 @@ class KVTierClient:
         Each group names its pool by layout (None: this client's); the namespace is this
         client's for every group. A client holds one registration, so an engine registers
         one client per group layout and may call this on any of them; a layout nobody
-        registered is NotFound. Over gRPC on either transport."""
-        check_lengths([len(group.keys) for group in groups])  # ValueError, before anything is sent
+        registered is NotFound. Over gRPC on either transport. `known`: as for `lookup`, the
+        leading blocks the engine holds already (counted apart in every group's pool)."""
+        check_known(known, check_lengths([len(group.keys) for group in groups]))  # ValueError, before sending
         queries = [group.to_proto() for group in groups]
         self._sync()
 
         def call(session: _Session) -> pb.LookupGroupsResponse:
-            request = pb.LookupGroupsRequest(session_id=session.session_id, groups=queries)
+            request = pb.LookupGroupsRequest(session_id=session.session_id, groups=queries, known=known)
             try:
                 return self._conn.unary("LookupGroups", request, key=session.key)
             except KVTierError as exc:

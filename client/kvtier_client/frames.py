@@ -36,6 +36,9 @@ TOKENS = 0x2
 CHECKSUMS = 0x4  # a commit carries each page's xxh3-64 after its token ids
 #: Request flag: a u32 hold in milliseconds follows tier and priority (Prefetch only).
 HOLD = 0x8
+#: Request flag: a u32 `known` (leading keys the engine holds already) follows the key
+#: block (Lookup only; sent to daemons whose Register says lookup_known).
+KNOWN = 0x10
 
 
 class Op(enum.IntEnum):
@@ -175,8 +178,24 @@ def read_hello(flags: int, body: memoryview) -> Hello:
     return Hello(parts[0], parts[1], parts[2] if flags & 1 else None)
 
 
-def lookup(seq: int, keys: Sequence[bytes]) -> bytes:
-    return header(Op.LOOKUP, seq) + pack_keys(keys)
+def lookup(seq: int, keys: Sequence[bytes], known: int = 0) -> bytes:
+    """`known` > 0 travels after the key block, flagged KNOWN; 0 is left out (any daemon reads it)."""
+    if not known:
+        return header(Op.LOOKUP, seq) + pack_keys(keys)
+    return header(Op.LOOKUP, seq, KNOWN) + pack_keys(keys) + _U32.pack(known)
+
+
+def read_lookup(flags: int, body: memoryview) -> tuple[list[bytes], int]:
+    """(keys, known: 0 without the KNOWN flag)."""
+    keys, at = unpack_keys(body)
+    known = 0
+    if flags & KNOWN:
+        if len(body) < at + _U32.size:
+            raise FrameError("a lookup flagged KNOWN ends with a u32 count of known keys")
+        (known,) = _U32.unpack_from(body, at)
+        at += _U32.size
+    done(body, at)
+    return keys, known
 
 
 def borrow(seq: int, count: int) -> bytes:

@@ -33,7 +33,7 @@ class HotPath(Protocol):
     transport: str
 
     def heartbeat(self, timeout: float) -> int: ...
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult: ...
+    def lookup(self, keys: Sequence[BlockKey], known: int = 0) -> LookupResult: ...
     def borrow(self, count: int) -> Granted: ...
     def commit(self, lease_id: int, keys: Sequence[BlockKey], parent: BlockKey | None,
                token_ids: array | None = None, checksums: array | None = None) -> CommitResult: ...
@@ -76,8 +76,9 @@ class GrpcPath:
         return self._call("Heartbeat", pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout,
                           retry=False).leases
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        return LookupResult.from_proto(self._call("Lookup", pb.LookupRequest(session_id=self._session_id, keys=list(keys))))
+    def lookup(self, keys: Sequence[BlockKey], known: int = 0) -> LookupResult:
+        request = pb.LookupRequest(session_id=self._session_id, keys=list(keys), known=known)
+        return LookupResult.from_proto(self._call("Lookup", request))
 
     def borrow(self, count: int) -> Granted:
         reply = self._call("Borrow", pb.BorrowRequest(session_id=self._session_id, count=count))
@@ -190,10 +191,10 @@ class LanePath:
         body = self._call(lambda: frames.heartbeat(0), timeout)
         return self._grpc.heartbeat(timeout) if body is None else frames.read_u32(body)
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        body = self._call(lambda: frames.lookup(0, keys))
+    def lookup(self, keys: Sequence[BlockKey], known: int = 0) -> LookupResult:
+        body = self._call(lambda: frames.lookup(0, keys, known))
         if body is None:
-            return self._grpc.lookup(keys)
+            return self._grpc.lookup(keys, known)
         return _lookup_result(body)[0]
 
     def borrow(self, count: int) -> Granted:

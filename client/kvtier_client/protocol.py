@@ -5,9 +5,12 @@ transports cannot answer one request differently and the client refuses what the
 would (docs/protocol.md).
 
 - token ids per block (Commit): `check_token_ids` (client, before sending), `split_token_ids`
-  (daemon, on receipt: the same check, then one tuple per key)
-- the tiers pages are lent from (Acquire, AcquirePrefix, Prefetch): `LENT_TIERS`,
-  `check_lent_tier` (client), `lent_tier` (daemon)
+  (the daemon's core, on receipt: the same check, then one tuple per key)
+- the engine's own blocks (Lookup, LookupGroups): `check_known`
+- the tiers pages are lent from (Acquire, AcquirePrefix): `LENT_TIERS`, `check_lent_tier`
+  (client, and the core with what tiers it has), `lent_tier` (daemon: the proto's number)
+- a prefetch (Prefetch): `PREFETCH_TIERS`, its priority and hold (the engine's deadline):
+  `check_prefetch` (client, and the core), `read_prefetch` (daemon)
 - the wait policy (Acquire, AcquirePrefix): `Wait`, `wait_request` (client: Wait and a
   deadline in seconds -> the proto's wait and deadline_ms), `wait_timeout` (daemon: those ->
   the core's timeout)
@@ -76,6 +79,16 @@ def split_token_ids(token_ids: Sequence[int], keys: int, block_tokens: int) -> l
     block)."""
     ids = check_token_ids(token_ids, keys, block_tokens)
     return [tuple(ids[i : i + block_tokens]) for i in range(0, len(ids), block_tokens)]
+
+
+# -- the engine's own blocks (Lookup, LookupGroups) --------------------------------------
+def check_known(known: int, keys: int) -> int:
+    """`known`, the leading blocks of a lookup the engine holds already (counted apart from
+    kvtier's hits: docs/metrics.md), checked against the `keys` it looks up."""
+    if not isinstance(known, int) or not 0 <= known <= keys:
+        raise ValueError(f"a lookup's known blocks (those the engine holds already) are 0 to its {keys} keys, "
+                         f"got {known!r}; pass how many leading keys the engine has, at most all of them")
+    return known
 
 
 # -- tiers pages are lent from -----------------------------------------------------------

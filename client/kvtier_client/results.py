@@ -33,6 +33,7 @@ class PoolInfo:
     device_pci_bus_id: str = ""
     lane_socket: str = ""  # the same-host fast lane for the hot calls (empty over TCP, or when it is off)
     commit_checksums: bool = False  # the daemon takes the pages' checksums with a commit
+    lookup_known: bool = False  # the daemon reads a lookup's `known` (the engine's own leading blocks)
 
     @classmethod
     def from_proto(cls, reply: pb.RegisterResponse, namespace: str, layout: PageLayout, algorithm: str) -> "PoolInfo":
@@ -54,6 +55,7 @@ class PoolInfo:
             device_pci_bus_id=reply.device_pci_bus_id,
             lane_socket=reply.lane_socket,
             commit_checksums=reply.commit_checksums,
+            lookup_known=reply.lookup_known,
         )
 
     def capacity(self, tier: Tier) -> int:
@@ -108,6 +110,7 @@ class TierStats:
     stored_bytes: int = 0  # disk, cluster: what cached pages take as stored (encoded); 0 elsewhere
     capacity_bytes: int = 0  # disk, cluster: the tier's room in bytes
     free_bytes: int = 0
+    served_blocks: int = 0  # blocks lent by acquires whose fastest copy was here on arrival (hits: what lookups found)
 
     @property
     def idle_pages(self) -> int:
@@ -120,7 +123,7 @@ class TierStats:
             tier_from_proto(m.tier), m.capacity_pages, m.free_pages, m.writing_pages, m.cached_pages,
             m.pinned_pages, m.hits, m.evictions, m.promotions, m.demotions, m.bytes_in, m.corrupt_pages,
             m.read_bytes_per_second, m.loading_pages, m.held_pages, m.io_errors, m.refused_pages, m.stored_bytes,
-            m.capacity_bytes, m.free_bytes,
+            m.capacity_bytes, m.free_bytes, m.served_blocks,
         )
 
 
@@ -130,15 +133,22 @@ class PoolStats:
     layout: PageLayout
     page_bytes: int
     tiers: tuple[TierStats, ...]
-    lookup_blocks: int
+    lookup_blocks: int  # looked up beyond the engines' own blocks: hits + miss_blocks
     miss_blocks: int
+    engine_blocks: int = 0  # looked-up blocks the engines held already (a lookup's `known`)
 
     @classmethod
     def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
         return cls(
             m.pool_id, layout_from_proto(m.layout), m.page_bytes,
-            tuple(TierStats.from_proto(t) for t in m.tiers), m.lookup_blocks, m.miss_blocks,
+            tuple(TierStats.from_proto(t) for t in m.tiers), m.lookup_blocks, m.miss_blocks, m.engine_blocks,
         )
+
+    @property
+    def served_rate(self) -> float:
+        """Blocks kvtier served (lent by acquires, every tier) over the blocks looked up
+        beyond the engines' own: the hit rate to read (docs/metrics.md); 0.0 before any lookup."""
+        return sum(t.served_blocks for t in self.tiers) / self.lookup_blocks if self.lookup_blocks else 0.0
 
     def tier(self, tier: Tier) -> TierStats | None:
         return next((t for t in self.tiers if t.tier == tier), None)

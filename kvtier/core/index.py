@@ -133,8 +133,10 @@ class TierState:
 
 @dataclass
 class RequestCounters:
-    lookup_blocks: int = 0  # keys looked up
+    lookup_blocks: int = 0  # keys looked up beyond those the engine held (engine_blocks)
     miss_blocks: int = 0  # of those, not cached
+    engine_blocks: int = 0  # looked-up keys the engine held already: neither hits nor misses
+    served: dict[Tier, int] = field(default_factory=lambda: _per_tier())  # blocks lent, by the tier each was in when asked
     acquired_pages: int = 0  # pages asked for by acquires
     ready_on_arrival: int = 0  # of those, already in the target tier and loaded
     loads_in_flight: int = 0  # host copies whose bytes are on their way
@@ -151,9 +153,11 @@ class NamespaceCounters:
 
     pages: dict[Tier, int] = field(default_factory=_per_tier)  # cached copies; host: plus slots borrowed for writing
     hits: dict[Tier, int] = field(default_factory=_per_tier)  # looked-up blocks whose fastest copy was there
+    served: dict[Tier, int] = field(default_factory=_per_tier)  # blocks lent whose fastest copy was there when asked
     evictions: dict[Tier, int] = field(default_factory=_per_tier)  # its copies evicted from there
     lookup_blocks: int = 0
     miss_blocks: int = 0
+    engine_blocks: int = 0
     misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
 
 

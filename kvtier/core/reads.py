@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from kvtier_client.errors import CapacityError, InvalidArgument, NotFound
@@ -33,7 +33,7 @@ from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
 from kvtier.core.leases import LeaseKind, LeaseTable
 from kvtier.core.loads import Loads
 from kvtier.core.ports import LoadKind, Mechanism, Transfer
-from kvtier.core.results import BlockState, BlockStatus, Explanation, PrefixMatch, ReadGrant
+from kvtier.core.results import BlockState, BlockStatus, Explanation, GroupPages, PrefixMatch, ReadGrant
 from kvtier.policy import Ref
 
 T = TypeVar("T")
@@ -51,29 +51,26 @@ class Reads:
         self._run = run
 
     # -- lookup ---------------------------------------------------------------------
-    def lookup(self, namespace: str, keys: list[bytes]) -> PrefixMatch:
-        """The longest cached prefix of `keys` and the fastest tier of each of its blocks;
-        why each key after it missed is counted for the namespace. With a cluster tier, the
-        keys after this node's prefix are asked of the cluster in one batch, outside the
-        lock: its leading hits extend the prefix as CLUSTER."""
+    def lookup(self, namespace: str, keys: list[bytes], known: int = 0) -> PrefixMatch:
+        """(kvtier.core.store.BlockStore.lookup says what.) The first `known` keys (the
+        engine's own) are looked up like the rest but counted apart (`_count`)."""
         check_namespace(namespace)
         check_keys(keys)
         if self.cluster is None:
             with self._lock:
                 tiers = self._lookup_local(namespace, keys)
-                self._count_misses(namespace, keys[len(tiers):], len(keys))
+                self._count(namespace, keys, tiers, known)
             return PrefixMatch(len(tiers), tuple(tiers))
         with self._lock:
             tiers = self._lookup_local(namespace, keys)
         found = self.cluster.present(namespace, keys[len(tiers):])
         with self._lock:
-            self.index.namespaces[namespace].hits[Tier.CLUSTER] += found
             tiers += [Tier.CLUSTER] * found
-            self._count_misses(namespace, keys[len(tiers):], len(keys))
+            self._count(namespace, keys, tiers, known)
         return PrefixMatch(len(tiers), tuple(tiers))
 
     def _lookup_local(self, namespace: str, keys: list[bytes]) -> list[Tier]:
-        """The fastest tier of each block of the prefix this node holds; counts the hits."""
+        """The fastest tier of each block of the prefix this node holds."""
         tiers: list[Tier] = []
         blocks = self.index.blocks
         for key in keys:
@@ -81,25 +78,35 @@ class Reads:
             if block is None:
                 break
             tiers.append(min(block.copies))  # block.best_tier, without the property call
-        self._count_hits(namespace, tiers)
         return tiers
+
+    def _count(self, namespace: str, keys: list[bytes], tiers: Sequence[Tier], known: int) -> None:
+        """Count one lookup that found `tiers` (its prefix): the first `known` keys as the
+        engine's, the hits after them by tier, and the keys after both as misses. So
+        lookup_blocks = hits + misses counts only what was asked of kvtier beyond the engine."""
+        self._count_hits(namespace, tiers[known:])
+        self._count_misses(namespace, keys[max(len(tiers), known):], len(keys) - known, known)
 
     def _count_hits(self, namespace: str, tiers: Sequence[Tier]) -> None:
         index = self.index
         usage = index.namespaces[namespace]
         for tier, n in Counter(tiers).items():
-            index.tiers[tier].counters.hits += n
+            if tier in index.tiers:  # the cluster tier counts its own (ClusterStats.found)
+                index.tiers[tier].counters.hits += n
             usage.hits[tier] += n
 
-    def _count_misses(self, namespace: str, missed: list[bytes], looked_up: int) -> None:
-        """`looked_up` blocks were asked for, of which `missed` (keys) were not served."""
+    def _count_misses(self, namespace: str, missed: list[bytes], looked_up: int, engine: int = 0) -> None:
+        """`looked_up` blocks were asked for beyond the `engine` ones the engine held, of
+        which `missed` (keys) were not served."""
         index = self.index
         usage = index.namespaces[namespace]
         requests = index.requests
         requests.lookup_blocks += looked_up
         requests.miss_blocks += len(missed)
+        requests.engine_blocks += engine
         usage.lookup_blocks += looked_up
         usage.miss_blocks += len(missed)
+        usage.engine_blocks += engine
         if missed:
             index.count_misses(namespace, missed)
 
@@ -112,11 +119,13 @@ class Reads:
             blocks = self.index.blocks
             return tuple(min(b.copies) if (b := blocks.get((namespace, key))) is not None else None for key in keys)
 
-    def count_group(self, namespace: str, keys: list[bytes], hits: Sequence[Tier], hit_blocks: int) -> None:
+    def count_group(self, namespace: str, keys: list[bytes], pages: GroupPages, hit_blocks: int, known: int = 0) -> None:
         """(kvtier.core.store.BlockStore.count_group says what; kvtier.core.groups why.)"""
+        hits = pages.tiers[max(0, known - pages.first_block):]  # the pages it needs beyond the engine's
+        missed = keys[max(hit_blocks, known):]
         with self._lock:
             self._count_hits(namespace, hits)
-            self._count_misses(namespace, keys[hit_blocks:], len(hits) + len(keys) - hit_blocks)
+            self._count_misses(namespace, missed, len(hits) + len(missed), known)
 
     # -- acquire --------------------------------------------------------------------
     def acquire(self, session: SessionId, namespace: str, keys: list[bytes], tier: Tier,
@@ -152,7 +161,8 @@ class Reads:
             # Every page is in host already (the common case): nothing to load or wait for.
             index.requests.acquired_pages += len(blocks)
             index.requests.ready_on_arrival += len(blocks)
-            return self._lend(session, namespace, blocks, tier, None, promoted=0)
+            return self._lend(session, namespace, blocks, tier, None, promoted=0, served={Tier.HOST: len(blocks)})
+        served_from = [self._served_from(b, tier) for b in blocks] + [Tier.CLUSTER] * len(remote)
         # Device copies already there are kept (as waiters) while the rest reach host.
         on_device = [b for b in blocks if tier == Tier.DEVICE and Tier.DEVICE in b.copies]
         index.wait_on(on_device, Tier.DEVICE)
@@ -188,7 +198,8 @@ class Reads:
         finally:
             index.stop_waiting([b for b in via_host if index.is_current(b)], Tier.HOST)
             index.stop_waiting(on_device, Tier.DEVICE)
-        return self._lend(session, namespace, blocks[:ready], tier, transfer, promoted=len(blocks) - ready_on_arrival)
+        return self._lend(session, namespace, blocks[:ready], tier, transfer, promoted=len(blocks) - ready_on_arrival,
+                          served=Counter(served_from[:ready]))
 
     @staticmethod
     def _ready_prefix(blocks: list[Block], on_device: list[Block], via_host: list[Block], host_ready: int) -> int:
@@ -202,10 +213,23 @@ class Reads:
             ready += 1
         return ready
 
+    @staticmethod
+    def _served_from(block: Block, tier: Tier) -> Tier:
+        """The tier an acquire into `tier` serves `block` from, as it stands on arrival: its
+        fastest copy in place (not loading) at `tier` or below, else its fastest in place;
+        CLUSTER when none is (a load from the cluster is its only copy)."""
+        in_place = [t for t, copy in block.copies.items() if not copy.loading]
+        return min((t for t in in_place if t >= tier), default=min(in_place, default=Tier.CLUSTER))
+
     def _lend(self, session: SessionId, namespace: str, blocks: list[Block], tier: Tier, transfer: Transfer | None,
-              promoted: int) -> ReadGrant:
-        """Pin the ready blocks' copies in `tier` and open the read lease on them."""
+              promoted: int, served: Mapping[Tier, int]) -> ReadGrant:
+        """Pin the ready blocks' copies in `tier` and open the read lease on them; count them
+        as served, by the tier each was in on arrival (`served`)."""
         index = self.index
+        usage = index.namespaces[namespace]
+        for source, n in served.items():
+            index.requests.served[source] += n
+            usage.served[source] += n
         policy = index.tiers[tier].policy
         for b in blocks:
             index.pin(b, tier)

@@ -3,7 +3,7 @@ from the client's types (the client has its own `Lease`, `LookupResult`, `TierSt
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.results import BlockReason
@@ -118,6 +118,8 @@ class NamespaceUsage:
     lookup_blocks: int
     miss_blocks: int
     misses: Mapping[str, int]
+    engine_blocks: int = 0  # looked-up blocks its engines held already (not in lookup_blocks)
+    served: Mapping[Tier, int] = field(default_factory=dict)  # its blocks lent, by the tier each was in when asked
 
     def tier(self, tier: Tier) -> NamespaceTierUsage | None:
         return next((t for t in self.tiers if t.tier == tier), None)
@@ -137,6 +139,12 @@ class StoreUsage:
     history_entries: int = 0  # the miss history: departed blocks remembered, all namespaces together
     history_limit: int = 0  # the most it remembers
     history_bytes: int = 0  # its estimated size
+    #: Looked-up blocks the engines held already (Lookup's `known`): not in lookup_blocks,
+    #: which counts the blocks looked up beyond them (= hits + miss_blocks).
+    engine_blocks: int = 0
+    #: Blocks lent by acquires, by the tier each one's fastest copy was in when asked: what
+    #: kvtier served (every tier; the cluster's too).
+    served: Mapping[Tier, int] = field(default_factory=dict)
 
     def tier(self, tier: Tier) -> TierUsage | None:
         return next((t for t in self.tiers if t.tier == tier), None)

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import wraps
 
@@ -87,7 +87,7 @@ from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
 from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
-    CommitOutcome, Explanation, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
+    CommitOutcome, Explanation, GroupPages, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
@@ -226,22 +226,25 @@ class BlockStore:
         return self._capacity.saving
 
     # -- queries --------------------------------------------------------------
-    def lookup(self, namespace: str, keys: list[bytes]) -> PrefixMatch:
+    def lookup(self, namespace: str, keys: list[bytes], known: int = 0) -> PrefixMatch:
         """The longest cached prefix of `keys` and the fastest tier of each of its blocks;
         why each key after it missed is counted for the namespace. With a cluster tier, the
         keys after this node's prefix are asked of the cluster in one batch, outside the
-        lock: its leading hits extend the prefix as CLUSTER."""
-        return self._reads.lookup(namespace, keys)
+        lock: its leading hits extend the prefix as CLUSTER. The first `known` keys the
+        engine holds already: the same answer, but they count as engine blocks, not as
+        hits or misses (0 <= known <= len(keys): kvtier_client.protocol.check_known)."""
+        return self._reads.lookup(namespace, keys, known)
 
     def holdings(self, namespace: str, keys: list[bytes]) -> tuple[Tier | None, ...]:
         """The fastest tier of each key's block (None: not cached), prefix or not; counts
         nothing: a group lookup (kvtier.core.groups) counts once it knows the answer."""
         return self._reads.holdings(namespace, keys)
 
-    def count_group(self, namespace: str, keys: list[bytes], hits: Sequence[Tier], hit_blocks: int) -> None:
-        """Count one group of a group lookup: `hits` (the tiers of the pages it needs) and
-        its keys after `hit_blocks` as misses (kvtier.core.groups says why these)."""
-        self._reads.count_group(namespace, keys, hits, hit_blocks)
+    def count_group(self, namespace: str, keys: list[bytes], pages: GroupPages, hit_blocks: int, known: int = 0) -> None:
+        """Count one group of a group lookup: `pages` (the tiers of the pages it needs) and
+        its keys after `hit_blocks` as misses, the first `known` blocks as the engine's
+        (kvtier.core.groups says why these)."""
+        self._reads.count_group(namespace, keys, pages, hit_blocks, known)
 
     @_locked
     def explain(self, namespace: str, keys: list[bytes]) -> Explanation:
@@ -265,6 +268,7 @@ class BlockStore:
             tuple(tiers), r.lookup_blocks, r.miss_blocks, len(self._leases.leases), len(self._leases.sessions),
             r.acquired_pages, r.ready_on_arrival, r.loads_in_flight, by_namespace,
             len(self._index.history), self._index.history.size, self._index.history.estimated_bytes,
+            r.engine_blocks, {t: n for t, n in r.served.items() if n},
         )
 
     def _namespace_usage(self, namespace: str, counters: NamespaceCounters) -> NamespaceUsage:
@@ -275,7 +279,8 @@ class BlockStore:
             for tier in self._index.tiers
         )
         misses = {reason.value: n for reason, n in counters.misses.items()}
-        return NamespaceUsage(namespace, tiers, counters.lookup_blocks, counters.miss_blocks, misses)
+        return NamespaceUsage(namespace, tiers, counters.lookup_blocks, counters.miss_blocks, misses,
+                              counters.engine_blocks, {t: n for t, n in counters.served.items() if n})
 
     @_locked
     def set_quotas(self, quotas: Mapping[str, Quota]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvtier_client.errors import InvalidArgument, NotFound
 from kvtier_client.groups import GroupMode, check_group, check_lengths, mode_from_proto
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.protocol import check_known
 
 from kvtier.core import BlockStore, check_keys
 from kvtier.core.groups import GroupHoldings, match_groups
@@ -42,18 +43,20 @@ class _Group:
     window: int
 
 
-def lookup_groups(session: Session, pools: PoolRegistry, queries: Sequence[pb.GroupQuery]) -> GroupsMatch:
-    """The longest prefix every group can restore, and what each group needs for it."""
+def lookup_groups(session: Session, pools: PoolRegistry, queries: Sequence[pb.GroupQuery],
+                  known: int = 0) -> GroupsMatch:
+    """The longest prefix every group can restore, and what each group needs for it;
+    `known`: leading blocks the engine holds already (counted apart, not as hits)."""
     groups = [_group(i, query, session.pool, pools) for i, query in enumerate(queries)]
     try:
-        check_lengths([len(group.keys) for group in groups])
+        check_known(known, check_lengths([len(group.keys) for group in groups]))
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
     namespace = session.namespace
     held = [GroupHoldings(g.mode, g.window, g.store.holdings(namespace, g.keys)) for g in groups]
     match = match_groups(held)
     for group, pages in zip(groups, match.groups):
-        group.store.count_group(namespace, group.keys, pages.tiers, match.hit_blocks)
+        group.store.count_group(namespace, group.keys, pages, match.hit_blocks, known)
     return match
 
 

@@ -214,9 +214,8 @@ class Lane:
         return frames.reply(Op.HEARTBEAT, seq, frames.pack_slots([self._ops.heartbeat(s)]))
 
     def _lookup(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:
-        keys, at = frames.unpack_keys(body)
-        frames.done(body, at)
-        match = self._ops.lookup(s, keys)
+        keys, known = frames.read_lookup(flags, body)
+        match = self._ops.lookup(s, keys, known)
         return frames.reply(Op.LOOKUP, seq, frames.pack_lookup(match.hit_blocks, tiers_to_proto_bytes(match.tiers)))
 
     def _borrow(self, s: Resolve, seq: int, flags: int, body: memoryview) -> bytes:

@@ -27,6 +27,7 @@ from kvtier.core import MissReason, StoreUsage
 from kvtier.events import EventStats
 from kvtier.mechanism.cluster import ClusterStats, FaultKind
 from kvtier.mechanism.io import IOStats, LoadKind
+from kvtier.server import lookup_metrics
 from kvtier.server.pools import Pool
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class _StoreCollector:
             arrivals.add_metric([pool_id, "ready"], stats.ready_on_arrival)
             arrivals.add_metric([pool_id, "loaded"], stats.acquired_pages - stats.ready_on_arrival)
         yield arrivals
+        yield from lookup_metrics.pool_families([(pool_id, stats) for pool_id, _, stats in pools])
         session_gauge = GaugeMetricFamily("kvtier_sessions", "Open client sessions.")
         session_gauge.add_metric([], sessions)
         yield from (capacity, capacity_bytes, stored, room, pages, hits, evictions, promotions, demotions, moved, corrupt, misbound,
@@ -166,7 +168,9 @@ class _NamespaceCollector:
         hard = GaugeMetricFamily(
             "kvtier_hard_pinned_pages", "A namespace's hard-pinned blocks by where their host copy is: in_host (held), "
             "loading, waiting (no host copy yet: loaded as room appears).", labels=["pool", "kvtier_namespace", "state"])
-        for pool, stats in self._snapshot():
+        snapshot = self._snapshot()
+        yield from lookup_metrics.namespace_families([(pool.pool_id, ns) for pool, stats in snapshot for ns in stats.namespaces])
+        for pool, stats in snapshot:
             for ns in stats.namespaces:
                 usage = pool.store.control.usage(ns.namespace)
                 for kind in ("hard", "soft", "high", "cold"):

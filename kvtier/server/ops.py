@@ -82,9 +82,10 @@ class HotOps:
         s = session()
         return s.pool.store.session_leases(s.session_id)
 
-    def lookup(self, session: Resolve, keys: list[bytes]) -> PrefixMatch:
+    def lookup(self, session: Resolve, keys: list[bytes], known: int = 0) -> PrefixMatch:
+        """`known`: leading keys the engine holds already (counted apart, not as hits)."""
         s = session()
-        return s.pool.store.lookup(s.namespace, keys)
+        return s.pool.store.lookup(s.namespace, keys, _checked(protocol.check_known, known, len(keys)))
 
     def borrow(self, session: Resolve, count: int) -> WriteGrant:
         self.drain.check_open()

@@ -107,7 +107,7 @@ def tier_stats_pb(stats: StoreUsage, bandwidth: Mapping[Tier, Throughput]) -> li
             read_bytes_per_second=bandwidth[t.tier].bytes_per_second if t.tier in bandwidth else 0.0,
             loading_pages=t.loading, held_pages=t.held, io_errors=t.counters.io_errors,
             refused_pages=t.counters.refused, stored_bytes=t.stored_bytes, capacity_bytes=t.capacity_bytes,
-            free_bytes=t.free_bytes,
+            free_bytes=t.free_bytes, served_blocks=stats.served.get(t.tier, 0),
         )
         for t in stats.tiers
     ]
@@ -125,10 +125,12 @@ def namespace_stats_pb(usage: NamespaceUsage, hints: PinUsage) -> pb.NamespaceSt
         namespace=usage.namespace,
         tiers=[
             pb.NamespaceTierStats(tier=tier_to_proto(t.tier), pages=t.pages, max_pages=t.max_pages,
-                                  guaranteed_pages=t.guaranteed_pages, hits=t.hits, evictions=t.evictions)
+                                  guaranteed_pages=t.guaranteed_pages, hits=t.hits, evictions=t.evictions,
+                                  served_blocks=usage.served.get(t.tier, 0))
             for t in usage.tiers
         ],
         lookup_blocks=usage.lookup_blocks, miss_blocks=usage.miss_blocks, misses=usage.misses,
+        engine_blocks=usage.engine_blocks,
         hints=hint_stats_pb(hints),
     )
 
@@ -206,6 +208,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             handoff_socket=self.handoff_socket if local else "",
             lane_socket=self.lane_socket if local else "",
             commit_checksums=True,
+            lookup_known=True,
             session_key="" if local else session.key,  # same host: only the attaching process gets it
             page_bytes=pool.layout.page_bytes,
             slot_bytes=pool.layout.slot_bytes,
@@ -229,7 +232,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def Lookup(self, request, context) -> pb.LookupResponse:
-        return _lookup_pb(self.ops.lookup(self._resolver(request.session_id, context), list(request.keys)))
+        return _lookup_pb(self.ops.lookup(self._resolver(request.session_id, context), list(request.keys), request.known))
 
     @_rpc
     def Borrow(self, request, context) -> pb.BorrowResponse:
@@ -258,7 +261,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
 
     @_rpc
     def LookupGroups(self, request, context) -> pb.LookupGroupsResponse:
-        match = lookup_groups(self._session(request.session_id, context), self.pools, request.groups)
+        match = lookup_groups(self._session(request.session_id, context), self.pools, request.groups, request.known)
         return pb.LookupGroupsResponse(hit_blocks=match.hit_blocks, groups=[
             pb.GroupHit(first_block=g.first_block, tiers=[tier_to_proto(t) for t in g.tiers]) for g in match.groups])
 
@@ -300,7 +303,7 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
                     namespaces=[namespace_stats_pb(ns, pool.store.control.usage(ns.namespace))
                                 for ns in stats.namespaces if self.auth.grants(token, ns.namespace)],
                     history_entries=stats.history_entries, history_limit=stats.history_limit,
-                    history_bytes=stats.history_bytes,
+                    history_bytes=stats.history_bytes, engine_blocks=stats.engine_blocks,
                 )
             )
         return reply

@@ -174,15 +174,15 @@ class KVTierScheduler:
             return 0, False
         state.candidate = None
         state.found = (0, 0)
+        block = self.page
+        local = num_computed_tokens // block
         try:
-            hit, tiers = self._lookup(state)
+            hit, tiers = self._lookup(state, min(local, len(state.keys)))
         except KVTierError as exc:
             self.link.failed("lookup", exc)
             return 0, False
         state.kvtier_blocks = hit
         state.save_upto = max(state.save_upto, hit)
-        block = self.page
-        local = num_computed_tokens // block
         if hit <= local:
             return 0, False
         beyond = LookupResult(hit - local, tiers[local:hit])
@@ -218,15 +218,17 @@ class KVTierScheduler:
             return mode == "always"
         return len(self.groups) > 1 or any(t >= Tier.DISK for t in tiers)
 
-    def _lookup(self, state: RequestState) -> tuple[int, tuple[Tier, ...]]:
+    def _lookup(self, state: RequestState, local: int) -> tuple[int, tuple[Tier, ...]]:
         """How many leading blocks kvtier can restore, and the tier each must be loaded
         from: for several groups (or a window), in one group lookup, the slowest tier among
-        the groups that need the block (HOST where none does: nothing to load)."""
+        the groups that need the block (HOST where none does: nothing to load). `local`:
+        the leading blocks vLLM's own prefix cache holds, told to the daemon so that it
+        counts them as the engine's, not as its hits (docs/metrics.md, "Found and served")."""
         if self._plain:
-            found = self.kv.lookup(state.keys)
+            found = self.kv.lookup(state.keys, known=local)
             return found.hit_blocks, tuple(found.tiers[: found.hit_blocks])
         found = self.kv.lookup_groups([GroupQuery(keys, g.mode, g.window, g.layout)
-                                       for g, keys in zip(self.groups, state.group_keys)])
+                                       for g, keys in zip(self.groups, state.group_keys)], known=local)
         tiers = [Tier.HOST] * found.hit_blocks
         for hit in found.groups:
             for i, tier in zip(hit.blocks, hit.tiers):

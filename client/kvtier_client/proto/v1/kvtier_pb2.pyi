@@ -149,7 +149,7 @@ class TierInfo(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key", "lane_socket", "commit_checksums")
+    __slots__ = ("session_id", "page_bytes", "slot_bytes", "tiers", "host_arena_bytes", "device_ipc_handle", "heartbeat_interval_ms", "session_timeout_ms", "pool_id", "device_arena_bytes", "device_pci_bus_id", "handoff_socket", "session_key", "lane_socket", "commit_checksums", "lookup_known")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class RegisterResponse(_message.Message):
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     COMMIT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_KNOWN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     page_bytes: int
     slot_bytes: int
@@ -180,7 +181,8 @@ class RegisterResponse(_message.Message):
     session_key: str
     lane_socket: str
     commit_checksums: bool
-    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ..., lane_socket: _Optional[str] = ..., commit_checksums: _Optional[bool] = ...) -> None: ...
+    lookup_known: bool
+    def __init__(self, session_id: _Optional[str] = ..., page_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., host_arena_bytes: _Optional[int] = ..., device_ipc_handle: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ..., pool_id: _Optional[str] = ..., device_arena_bytes: _Optional[int] = ..., device_pci_bus_id: _Optional[str] = ..., handoff_socket: _Optional[str] = ..., session_key: _Optional[str] = ..., lane_socket: _Optional[str] = ..., commit_checksums: _Optional[bool] = ..., lookup_known: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -207,12 +209,14 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, released_leases: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "known")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    known: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., known: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers")
@@ -329,12 +333,14 @@ class GroupQuery(_message.Message):
     def __init__(self, layout: _Optional[_Union[PageLayout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., mode: _Optional[_Union[GroupMode, str]] = ..., window_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupGroupsRequest(_message.Message):
-    __slots__ = ("session_id", "groups")
+    __slots__ = ("session_id", "groups", "known")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     groups: _containers.RepeatedCompositeFieldContainer[GroupQuery]
-    def __init__(self, session_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupQuery, _Mapping]]] = ...) -> None: ...
+    known: int
+    def __init__(self, session_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupQuery, _Mapping]]] = ..., known: _Optional[int] = ...) -> None: ...
 
 class GroupHit(_message.Message):
     __slots__ = ("first_block", "tiers")
@@ -419,7 +425,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second", "loading_pages", "held_pages", "io_errors", "refused_pages", "stored_bytes", "capacity_bytes", "free_bytes")
+    __slots__ = ("tier", "capacity_pages", "free_pages", "writing_pages", "cached_pages", "pinned_pages", "hits", "evictions", "promotions", "demotions", "bytes_in", "corrupt_pages", "read_bytes_per_second", "loading_pages", "held_pages", "io_errors", "refused_pages", "stored_bytes", "capacity_bytes", "free_bytes", "served_blocks")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +446,7 @@ class TierStats(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_pages: int
     free_pages: int
@@ -460,26 +467,29 @@ class TierStats(_message.Message):
     stored_bytes: int
     capacity_bytes: int
     free_bytes: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ..., refused_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+    served_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., read_bytes_per_second: _Optional[float] = ..., loading_pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., io_errors: _Optional[int] = ..., refused_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., served_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceTierStats(_message.Message):
-    __slots__ = ("tier", "pages", "max_pages", "guaranteed_pages", "hits", "evictions")
+    __slots__ = ("tier", "pages", "max_pages", "guaranteed_pages", "hits", "evictions", "served_blocks")
     TIER_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     pages: int
     max_pages: int
     guaranteed_pages: int
     hits: int
     evictions: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., guaranteed_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    served_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., guaranteed_pages: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., served_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "tiers", "lookup_blocks", "miss_blocks", "misses", "hints")
+    __slots__ = ("namespace", "tiers", "lookup_blocks", "miss_blocks", "misses", "hints", "engine_blocks")
     class MissesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -493,13 +503,15 @@ class NamespaceStats(_message.Message):
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tiers: _containers.RepeatedCompositeFieldContainer[NamespaceTierStats]
     lookup_blocks: int
     miss_blocks: int
     misses: _containers.ScalarMap[str, int]
     hints: HintStats
-    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ..., hints: _Optional[_Union[HintStats, _Mapping]] = ...) -> None: ...
+    engine_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ..., hints: _Optional[_Union[HintStats, _Mapping]] = ..., engine_blocks: _Optional[int] = ...) -> None: ...
 
 class HintStats(_message.Message):
     __slots__ = ("hard_pinned", "soft_pinned", "high", "cold", "next_expiry_seconds", "hard_pin_limit", "hard_in_host", "hard_loading", "hard_waiting")
@@ -524,7 +536,7 @@ class HintStats(_message.Message):
     def __init__(self, hard_pinned: _Optional[int] = ..., soft_pinned: _Optional[int] = ..., high: _Optional[int] = ..., cold: _Optional[int] = ..., next_expiry_seconds: _Optional[float] = ..., hard_pin_limit: _Optional[int] = ..., hard_in_host: _Optional[int] = ..., hard_loading: _Optional[int] = ..., hard_waiting: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces", "history_entries", "history_limit", "history_bytes")
+    __slots__ = ("pool_id", "layout", "page_bytes", "tiers", "lookup_blocks", "miss_blocks", "namespaces", "history_entries", "history_limit", "history_bytes", "engine_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +547,7 @@ class PoolStats(_message.Message):
     HISTORY_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     HISTORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     layout: PageLayout
     page_bytes: int
@@ -545,7 +558,8 @@ class PoolStats(_message.Message):
     history_entries: int
     history_limit: int
     history_bytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., history_entries: _Optional[int] = ..., history_limit: _Optional[int] = ..., history_bytes: _Optional[int] = ...) -> None: ...
+    engine_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookup_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., history_entries: _Optional[int] = ..., history_limit: _Optional[int] = ..., history_bytes: _Optional[int] = ..., engine_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "pools", "sessions", "leases", "uptime_seconds", "namespaces", "max_namespaces")
