@@ -30,7 +30,7 @@ def checks(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VLLM_"))}
         env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # A small copy shape keeps this quick; vllm_checks.py copies alone runs the full-size one.
-        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "groups", "keys", "async", "copies", "--pages", "64",
+        command = [str(VLLM_PYTHON), str(CHECKS), "--target", daemon.target, "dedupe", "shapes", "groups", "keys", "async", "served", "copies", "--pages", "64",
                    "--layers", "4"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     finally:
@@ -60,6 +60,20 @@ def test_each_block_is_stored_once_and_reported_as_the_daemon_took_it(checks):
     assert (stats["store_blocks"], stats["store_duplicate_blocks"], stats["store_failed_blocks"]) == (9, 2, 0)
     assert stats["skipped_store_blocks"] == 4 + 3  # r2's served blocks, r4's blocks r3 stores
     assert (stats["hit_blocks"], stats["load_blocks"], stats["load_failed_blocks"]) == (10, 10, 0)  # r6, r6b
+
+
+def test_the_blocks_vllm_holds_count_as_the_engines_and_loads_as_served(checks):
+    """The connector tells the daemon how many leading blocks vLLM's prefix cache holds
+    (docs/metrics.md, "Found and served"): those are not kvtier hits; what the worker loads is
+    what kvtier served. Before, r2's lookup counted all 6 blocks as host hits."""
+    s = checks["served"]
+    assert s["r1"]["saved_blocks"] == 6 and s["r2"]["loads"] == [[10, 11]]  # blocks 4-5 into vLLM blocks 10, 11
+    assert s["before"] == {"engine_blocks": 0, "lookup_blocks": 6, "miss_blocks": 6, "host_hits": 0, "host_served": 0,
+                           "served_rate": 0.0}
+    after = s["after"]
+    assert (after["engine_blocks"], after["lookup_blocks"], after["miss_blocks"]) == (4, 6 + 2, 6)
+    assert (after["host_hits"], after["host_served"]) == (2, 2)
+    assert after["served_rate"] == 2 / 8
 
 
 def test_kv_events_name_the_blocks_kvtier_took_with_vllms_hashes(checks):

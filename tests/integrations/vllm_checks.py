@@ -16,6 +16,7 @@ dedupe   The real KVTierScheduler and KVTierWorker on a real daemon, driven with
 shapes   Engines of different tensor-parallel sizes sharing pages (vllm_shape_checks.py).
 groups   A hybrid model's KV cache groups: per-group loads, partial groups (vllm_group_checks.py).
 async    A load from disk in the step's foreground or in the background (vllm_async_checks.py).
+served   What the daemon counts for a request vLLM's prefix cache partly serves (vllm_served_checks.py).
 keys     Multimodal prompts' block keys against vLLM's own block hashes (vllm_key_checks.py).
 copies   The worker's batched copies (`load_pages`, `save_layer`: one gather and one scatter
          per layer) against the per-page copies they replaced (one `copy_` per page and layer)
@@ -281,7 +282,7 @@ def copies(pages: int, layers: int, heads: int, head_dim: int, block: int, dtype
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checks", nargs="+", choices=["dedupe", "copies", "shapes", "keys", "groups", "async"])
+    parser.add_argument("checks", nargs="+", choices=["dedupe", "copies", "shapes", "keys", "groups", "async", "served"])
     parser.add_argument("--target", help="kvtier daemon (dedupe)")
     parser.add_argument("--pages", type=int, default=128)
     parser.add_argument("--layers", type=int, default=8)
@@ -306,6 +307,10 @@ def main() -> None:
         from vllm_async_checks import background_loads
 
         out["async"] = background_loads(args.target)
+    if "served" in args.checks:
+        from vllm_served_checks import served
+
+        out["served"] = served(args.target)
     if "keys" in args.checks:
         from vllm_key_checks import keys, weights
 
