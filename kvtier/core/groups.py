@@ -21,7 +21,8 @@ blocks a group needs for the answer are hits, in the tier each is in; every bloc
 the answer is a miss, with its reason as a Lookup counts one (cached beyond the prefix,
 evicted, never stored). A block before a group's window or state is neither: the group
 does not need it for this prompt, and a sliding-window group whose early pages were
-evicted lost nothing. So lookup_blocks = hits + misses, and the hit rates of `kvtier
+evicted lost nothing. The first `known` blocks (the engine's own) are neither either: they
+count as engine blocks. So lookup_blocks = hits + misses, and the hit rates of `kvtier
 stats` add up as for Lookup; one FULL group counts exactly as a Lookup of its keys.
 """
 from __future__ import annotations
