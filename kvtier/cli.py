@@ -25,7 +25,7 @@ from kvtier.admin import (
 )
 from kvtier.demo import demo
 from kvtier.keeper_cli import keeper
-from kvtier.policy import PolicyName
+from kvtier.policy import POLICIES
 from kvtier.replay.codec import CODECS, DEFAULT_LAYOUT, IDENTITY, codec_ratio, describe, parse_layout
 from kvtier.replay.hints import DEFAULT_TTL_FACTOR, HintRule, replay_with_hints
 from kvtier.replay.mooncake import halfway, read_timed_trace
@@ -128,11 +128,12 @@ Examples:
               help="Disk tier capacity in raw pages (the bytes of that many unencoded pages); 0 for no disk tier.")
 @click.option("--device-pages", type=click.IntRange(min=0), default=0, show_default=True, metavar="PAGES",
               help="Device (GPU) tier capacity in pages; 0 for none. Cached blocks are then acquired into it.")
-@click.option("--policy", type=click.Choice([p.value for p in PolicyName]), default=PolicyName.LRU.value, show_default=True,
-              help="Eviction policy of every tier.")
-@click.option("--codec", type=click.Choice(list(CODECS)), default=IDENTITY, show_default=True,
-              help="Codec the disk tier writes with: the disk holds --disk-pages x the codec's ratio, measured by "
-                   "encoding synthetic KV pages of --layout (the host tier never encodes).")
+@click.option("--policy", default="lru", show_default=True, metavar="NAME",
+              help=f"Eviction policy of every tier: {', '.join(POLICIES.builtin)}, or MODULE:CLASS of your own.")
+@click.option("--codec", default=IDENTITY, show_default=True, metavar="NAME",
+              help=f"Codec the disk tier writes with ({', '.join(CODECS.builtin)}, or MODULE:CLASS): the disk "
+                   "holds --disk-pages x the codec's ratio, measured by encoding synthetic KV pages of --layout "
+                   "(the host tier never encodes).")
 @click.option("--disk-ratio", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Scale the disk by X instead of a measured ratio (one measured on real KV elsewhere).")
 @click.option("--layout", "layout_text", default=describe(DEFAULT_LAYOUT), show_default=True, metavar="FIELDS",
@@ -157,7 +158,7 @@ def replay_command(trace: str, host_pages: int, disk_pages: int, device_pages: i
         timed = list(read_timed_trace(trace))
         start = halfway([t for t, _ in timed]) if second_half else 0
         result, hints = replay_with_hints(timed, rule=hint_rule, ttl_factor=hint_ttl_factor, host_pages=host_pages,
-                                          disk_pages=ratio.pages(disk_pages), policy=PolicyName(policy),
+                                          disk_pages=ratio.pages(disk_pages), policy=policy,
                                           device_pages=device_pages, measure_from=start)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None

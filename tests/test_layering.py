@@ -54,10 +54,12 @@ PACKAGES = {"kvtier": ROOT / "kvtier", "kvtier_client": ROOT / "client" / "kvtie
 
 #: What each layer may import from the daemon's packages (kvtier_client is open to all).
 ALLOWED = {
-    "kvtier.policy": ("kvtier.policy",),
+    "kvtier.registry": (),  # named parts from outside kvtier (codecs, policies, cluster backends): stdlib only
+    "kvtier.policy": ("kvtier.policy", "kvtier.registry"),
     "kvtier.core": ("kvtier.core", "kvtier.policy"),
-    "kvtier.mechanism": ("kvtier.mechanism", "kvtier.core.ports", "kvtier.core.chunks", "kvtier.codecs", "kvtier.units"),
-    "kvtier.codecs": ("kvtier.codecs",),  # page codecs of the lower tiers: bytes in, bytes out
+    "kvtier.mechanism": ("kvtier.mechanism", "kvtier.core.ports", "kvtier.core.chunks", "kvtier.codecs", "kvtier.units",
+                         "kvtier.registry"),
+    "kvtier.codecs": ("kvtier.codecs", "kvtier.registry"),  # page codecs of the lower tiers: bytes in, bytes out
     "kvtier.events": ("kvtier.events",),  # the daemon's KV event publisher: tiers and keys in, frames out
     "kvtier_client": ("kvtier_client",),
 }

@@ -18,7 +18,7 @@ from kvtier.child import ChildDaemon
 from kvtier.core import WriteGrant
 from kvtier.mechanism.directio import open_direct
 from kvtier.mechanism.disk import FsyncPolicy
-from kvtier.policy import PolicyName
+from kvtier.policy import POLICIES as POLICY_REGISTRY
 from kvtier.server.config import default_tiers
 from kvtier.server.pools import Pool
 from kvtier.replay.codec import CODECS, DEFAULT_LAYOUT, CodecRatio, describe, measure_ratio, parse_layout
@@ -33,7 +33,7 @@ __all__ = [
     "CodecRatio",
     "ChildDaemon",
     "FsyncPolicy",
-    "PolicyName",
+    "POLICY_REGISTRY",
     "Pool",
     "WriteGrant",
     "bench_pool",

@@ -4,7 +4,7 @@ conversation trace and on synthetic traces of known shapes (kvtier_bench.shapes)
 Shapes: `mooncake` (the real trace), `mooncake-2nd-half` (the same, the first half by time
 only warming the cache: a policy tuned on the first half is judged on the second) and the
 synthetic ones. For each shape, capacity (host pages of 512 tokens) and policy (every
-PolicyName unless told), the requests are replayed with one tier through the policy alone
+built-in policy unless told), the requests are replayed with one tier through the policy alone
 (kvtier.replay.policy: the same figures as a store, several times faster), and with a disk
 tier of DISK_FACTOR times the host tier behind it through a real BlockStore
 (kvtier.replay.mooncake.replay; write-back; with `admissions`, once per disk admission). Three
@@ -36,14 +36,14 @@ from pathlib import Path
 from kvtier_bench import shapes
 from kvtier_bench.harness import progress_bar, utc_now
 from kvtier_bench.shared_data import absent, mooncake_trace, shown
-from kvtier_bench.internals import (CODECS, DEFAULT_LAYOUT, TRACE_BLOCK_TOKENS, CodecRatio, PolicyName, describe, halfway,
+from kvtier_bench.internals import (CODECS, DEFAULT_LAYOUT, TRACE_BLOCK_TOKENS, CodecRatio, POLICY_REGISTRY, describe, halfway,
                                    measure_ratio, read_timed_trace, replay, replay_policy)
 
 #: The shared Mooncake trace, beside the clone or under $KVTIER_SHARED_DATA (kvtier_bench.shared_data).
 DEFAULT_TRACE = mooncake_trace()
-POLICIES = tuple(p.value for p in PolicyName)
+POLICIES = POLICY_REGISTRY.builtin
 #: The reference every series is divided by in `x lru`.
-REFERENCE = PolicyName.LRU.value
+REFERENCE = "lru"
 BELADY = "belady"
 MOONCAKE = "mooncake"
 MOONCAKE_2ND_HALF = "mooncake-2nd-half"
@@ -54,6 +54,12 @@ DISK_FACTOR = 10
 CAPACITIES = (977, 1953, 3906, 5859, 9766, 19531, 39062, 58594)
 QUICK_CAPACITIES = (1953, 5859, 19531)
 INFINITE = float("inf")
+
+
+def _checked(policy: str) -> str:
+    """`policy` if it names one (kvtier.policy.POLICIES); RegistryError (a ValueError) if not."""
+    POLICY_REGISTRY[policy]
+    return policy
 
 
 def flatten(requests: Sequence[Sequence[int]]) -> list[int]:
@@ -179,7 +185,7 @@ def load(source: Source) -> Requests:
 class Line:
     """One series at one capacity: a policy (or Belady) with one tier or host + disk."""
 
-    policy: str  # a PolicyName value, or BELADY
+    policy: str  # a name in kvtier.policy.POLICIES, or BELADY
     disk: bool
     admission: str | None
     rate: float
@@ -375,7 +381,7 @@ def run_shapes(
     capacities = tuple(capacities or (QUICK_CAPACITIES if quick else CAPACITIES))
     if any(c <= 0 for c in capacities) or disk_factor < 0:
         raise ValueError("capacities must be positive and disk_factor non-negative")
-    policies = tuple(dict.fromkeys([REFERENCE, *(PolicyName(p).value for p in policies)]))
+    policies = tuple(dict.fromkeys([REFERENCE, *(_checked(p) for p in policies)]))
     counted = {source.shape: _Counted.of(load(source)) for source in sources}
     for shape, c in counted.items():
         progress(f"trace {shape}: {c.requests:,} requests counted ({c.warmup_requests:,} more before them only warm "
@@ -508,7 +514,7 @@ def run_codecs(trace: str | os.PathLike = DEFAULT_TRACE, *, codecs: Sequence[str
     if host_pages <= 0 or any(d <= 0 for d in raw):
         raise ValueError(f"the host and every disk need at least one {TRACE_BLOCK_TOKENS}-token page")
     wanted = [(d, r) for d in raw for r in ratios]
-    jobs = list(dict.fromkeys(_Job(source, host_pages, r.pages(d), PolicyName(policy).value, None) for d, r in wanted))
+    jobs = list(dict.fromkeys(_Job(source, host_pages, r.pages(d), _checked(policy), None) for d, r in wanted))
     done: dict[int, Line] = {}
     with progress_bar(progress, "codec replays", len(jobs)) as advance:
         for job, line in _run_all(jobs, workers or max(1, min(2, os.cpu_count() or 1))):
@@ -517,7 +523,7 @@ def run_codecs(trace: str | os.PathLike = DEFAULT_TRACE, *, codecs: Sequence[str
             progress(f"codecs: disk {job.disk_pages:,} pages: {line.rate:.4f}")
     counted = _Counted.of(load(source))
     return CodecResult(date=utc_now(), trace=source.description, requests=counted.requests, blocks=counted.blocks,
-                       infinite=counted.infinite, host_pages=host_pages, policy=PolicyName(policy).value,
+                       infinite=counted.infinite, host_pages=host_pages, policy=policy,
                        layout=describe(layout), lines=tuple(CodecLine(d, r, done[r.pages(d)]) for d, r in wanted),
                        seconds=time.perf_counter() - start)
 

@@ -25,9 +25,12 @@ class Encoded:
 
 
 class PageCodec(Protocol):
-    #: The id stored with each page it encodes (0: identity). Never reused for another codec.
+    #: The id stored with each page it encodes (0: identity). Never reused for another codec:
+    #: kvtier's own take ids below 128, a codec from outside kvtier one of 128-255
+    #: (kvtier.codecs.OUT_OF_TREE_IDS; a taken id is refused).
     id: int
-    #: The name an operator writes in `codec = ...`.
+    #: What the codec calls itself (logs, benchmarks); operators name it as it is registered
+    #: (kvtier.codecs.CODECS): a built-in's name, an entry point's, or a module path.
     name: str
     #: Whether a decoded page can differ from the page encoded (never the default).
     lossy: bool

@@ -5,6 +5,11 @@ left the tier (`remove`); it asks `victims(n, protected)` when it needs n slots.
 only proposes: it returns up to n references in eviction order and changes nothing, so a
 caller that gets fewer than it needs can refuse the whole request with no state changed
 (vLLM's atomic `evict(n)`). The core calls `remove` for each victim it really evicts.
+
+A policy is made from its tier's page count (`cls(capacity)`); one from outside kvtier
+is a class (or function) so made, registered by module path or entry point
+(kvtier.policy.POLICIES, docs/policies.md "Adding a policy"). Every call comes under the
+store's lock: keep them O(1) or close to it, and never block.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ Ref = tuple[str, bytes]
 
 
 class EvictionPolicy(Protocol):
+    #: Shown where an eviction is explained (`kvtier stats why`).
     name: str
 
     def add(self, ref: Ref, parent: Ref | None) -> None:

@@ -22,7 +22,7 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core import BlockStore
 from kvtier.core.bookkeeping import bookkeeping_ports
-from kvtier.policy import POLICIES, AdmissionName, EvictionPolicy, PolicyName, Ref, make_admission
+from kvtier.policy import POLICIES, AdmissionName, EvictionPolicy, Ref, make_admission
 from kvtier.policy.admission import DEFAULT_THRESHOLD
 
 TRACE_BLOCK_TOKENS = 512
@@ -173,7 +173,7 @@ class TimedPolicy:
         return len(self._policy)
 
 
-def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: PolicyName | str = PolicyName.LRU,
+def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 0, policy: str = "lru",
            device_pages: int = 0, measure_from: int = 0, admission: AdmissionName | str = AdmissionName.ALL,
            admission_threshold: float = DEFAULT_THRESHOLD,
            after_request: Callable[[int, list[bytes], BlockStore], None] | None = None) -> ReplayResult:
@@ -183,7 +183,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
     decides which host pages are written to disk as they leave host. `after_request(index,
     keys, store)` runs after each request is served (a client's hints: kvtier.replay.hints)."""
     spent = [0.0]
-    make = POLICIES[PolicyName(policy)]
+    make = POLICIES[policy]
     store = BlockStore(_LAYOUT, host_pages=host_pages, disk_pages=disk_pages, device_pages=device_pages,
                        ports=bookkeeping_ports(_LAYOUT.page_bytes), policy=lambda pages: TimedPolicy(make(pages), spent),
                        admission=make_admission(admission, host_pages, disk_pages, admission_threshold), prefetch_hold=0.0)
@@ -218,7 +218,7 @@ def replay(requests: Iterable[list[int]], *, host_pages: int, disk_pages: int = 
         disk_hit_blocks=counts.hits[Tier.DISK],
         host_pages=host_pages,
         disk_pages=disk_pages,
-        policy=PolicyName(policy).value,
+        policy=policy,
         device_pages=device_pages,
         device_hit_blocks=counts.hits[Tier.DEVICE],
         disk_writes=counts.disk_writes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvtier.policy import POLICIES, PolicyName
+from kvtier.policy import POLICIES
 from kvtier.replay.mooncake import ReplayResult
 
 _NAMESPACE = "trace"
@@ -22,7 +22,7 @@ def _never(ref) -> bool:
     return False
 
 
-def replay_policy(requests: Sequence[list[int]], *, pages: int, policy: PolicyName | str,
+def replay_policy(requests: Sequence[list[int]], *, pages: int, policy: str,
                   measure_from: int = 0) -> ReplayResult:
     """One tier of `pages` managed by `policy`; requests before `measure_from` only warm it.
     `policy_seconds` is the whole measured loop: the policy's calls and this loop's own
@@ -31,7 +31,7 @@ def replay_policy(requests: Sequence[list[int]], *, pages: int, policy: PolicyNa
         raise ValueError(f"a tier needs at least one page, got {pages}")
     if len(requests) <= measure_from:
         raise ValueError(f"the trace has {len(requests)} requests: none from request {measure_from} on to measure")
-    chosen = POLICIES[PolicyName(policy)](pages)
+    chosen = POLICIES[policy](pages)
     cached: set = set()
     hits = blocks = 0
     start = time.perf_counter()
@@ -59,5 +59,5 @@ def replay_policy(requests: Sequence[list[int]], *, pages: int, policy: PolicyNa
             parent = ref
     seconds = time.perf_counter() - start
     return ReplayResult(requests=len(requests) - measure_from, blocks=blocks, hit_blocks=hits, host_hit_blocks=hits,
-                        disk_hit_blocks=0, host_pages=pages, disk_pages=0, policy=PolicyName(policy).value,
+                        disk_hit_blocks=0, host_pages=pages, disk_pages=0, policy=policy,
                         policy_seconds=seconds)

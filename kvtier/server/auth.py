@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from kvtier_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 from kvtier.codecs import CODECS
+from kvtier.registry import RegistryError
 from kvtier.core import Quota, check_namespace
 from kvtier.server.config import AuthConfig, AuthMode, ConfigError, read_toml
 
@@ -62,9 +63,10 @@ def _codecs(path: str, table: object) -> dict[str, str]:
     for namespace, entry in table.items() if isinstance(table, dict) else ():
         if isinstance(entry, dict) and "codec" in entry:
             name = entry.pop("codec")
-            if name not in CODECS:
-                raise ConfigError(f'tokens file {path}: [namespaces."{namespace}"]: unknown codec {name!r}; '
-                                  f"use {', '.join(CODECS)}")
+            try:
+                CODECS[str(name)]
+            except RegistryError as exc:
+                raise ConfigError(f'tokens file {path}: [namespaces."{namespace}"]: {exc}') from None
             codecs[namespace] = name
     return codecs
 

@@ -19,7 +19,8 @@ def _flag(option: Option) -> Callable:
     if option.kind is BOOL:
         decl = f"{option.flag}/--{option.off_flag}" if option.off_flag else option.flag
         return click.option(decl, option.key, is_flag=True, default=None, help=help)
-    if option.kind.choices:
+    closed = option.kind.choices and not option.kind.extensible  # a registry's names are checked by the kind
+    if closed:
         kind: click.ParamType = click.Choice(option.kind.choices)
     elif option.kind is INT:
         kind = click.INT
@@ -28,7 +29,7 @@ def _flag(option: Option) -> Callable:
     else:
         kind = click.STRING
     return click.option(option.flag, option.key, type=kind, default=None, help=help,
-                        metavar=None if option.kind.choices else option.metavar or option.kind.metavar)
+                        metavar=None if closed else option.metavar or option.kind.metavar)
 
 
 def _config_flags(command: Callable) -> Callable:

@@ -19,16 +19,17 @@ from typing import Any
 
 from kvtier_client.event_media import DEFAULT_MEDIA
 
-from kvtier.codecs import CodecName
+from kvtier.codecs import CODECS
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
 from kvtier.core.writes import ClusterWrite
 from kvtier.events import DEFAULT_CLUSTER_TOPIC, DEFAULT_ENGINE_PORT, DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.backends import check_url
 from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.mechanism.seal import Sealer
-from kvtier.policy import AdmissionName, PolicyName
+from kvtier.policy import POLICIES, AdmissionName
 from kvtier.policy.admission import DEFAULT_THRESHOLD
 from kvtier.units import parse_duration, parse_size
+from kvtier.registry import Registry, RegistryError
 
 try:
     import tomllib
@@ -90,7 +91,7 @@ class TiersConfig:
     device_size: int  # 0 = no device tier
     gpu: int
     cache_dir: str  # absolute; the disk tier's directory
-    policy: PolicyName
+    policy: str  # a name in kvtier.policy.POLICIES (built in, an entry point's, or a module path)
     disk_admission: AdmissionName
     disk_admission_threshold: float
     write_through: bool
@@ -105,18 +106,18 @@ class TiersConfig:
     warm_restart_window: float  # seconds the keeper holds a crashed daemon's host memory; 0 = no keeper
     keeper_socket: str  # a standalone arena keeper (kvtier keeper) to use instead of spawning one; "" = spawn
     seal_key_file: str  # "" = seals are unkeyed checksums (kvtier.mechanism.seal); a secret file = keyed MACs
-    codec: CodecName  # how disk and cluster pages are stored (kvtier.codecs); a namespace's tokens-file key overrides
+    codec: str  # how disk and cluster pages are stored (kvtier.codecs.CODECS); a namespace's tokens-file key overrides
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The cluster tier (kvtier.mechanism.cluster): a Redis or Valkey Cluster every node
-    shares; `url` "" = no cluster tier."""
+    """The cluster tier (kvtier.mechanism.cluster): a store every node shares, through the
+    backend its URL's scheme names (Redis or Valkey Cluster built in); `url` "" = none."""
 
-    url: str  # redis://[user[:password]@]host:port,host:port (rediss:// for TLS)
+    url: str  # <scheme>://...: redis://[user[:password]@]host:port,host:port (rediss:// for TLS)
     password_file: str  # the password, from a file (kept off the command line); overrides the URL's
     tls_ca: str  # PEM CA that signed the cluster's certificates (rediss://)
-    acl_file: str  # TOML: [namespaces."<namespace>"] username = "...", password = "..." (an ACL user per tenant)
+    acl_file: str  # TOML: [namespaces."<namespace>"] username = "...", password = "..." (a store user per tenant)
     prefix: str  # first part of every key: `<prefix>:<layout>:<namespace>:<key hex>`
     write: ClusterWrite  # when pages are copied to the cluster: at commit, at demotion to disk, or never
     timeout: float  # seconds: every socket operation
@@ -244,6 +245,7 @@ class Kind:
     parse: Callable[[Any, str], Any]
     choices: tuple[str, ...] = ()  # offered by the flag; an enum kind also refuses others
     #: Read only once the layers are merged: a bad value in the file that a flag or a
+    extensible: bool = False  # the choices are the built-in names of a registry: others are taken too
     #: variable overrides is no error (sizes, durations and numbers are read per layer).
     read_last: bool = False
 
@@ -263,6 +265,24 @@ class Kind:
 
         return Kind("|".join(names), parse, names, read_last=True)
 
+
+    @staticmethod
+    def named(registry: Registry) -> Kind:
+        """A name in `registry` (kvtier.registry): a built-in one (the flag offers those,
+        and the Helm chart, which runs the stock image, takes only those), an entry
+        point's, or a module path. A plugin is loaded and checked here, so one that is
+        unknown or does not fit fails at start with the registry's message: the known
+        names, and how to add one."""
+        def parse(value: Any, key: str) -> str:
+            name = str(value)
+            try:
+                registry[name]
+            except RegistryError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+            return name
+
+        names = registry.builtin
+        return Kind(f"[{'|'.join(names)}|MODULE:NAME]", parse, names, extensible=True, read_last=True)
 
 TEXT = Kind("TEXT", _text)
 PATH = Kind("PATH", _text)
@@ -337,12 +357,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_size", "tiers", SIZE, "8GiB", "Disk tier size per layout, e.g. 100GiB; 0 for none."),
     Option("device_size", "tiers", SIZE, "0", "GPU HBM per layout for the device tier, e.g. 40GiB; needs CUDA and CuPy; 0 = none."),
     Option("gpu", "tiers", INT, 0, "CUDA device index of the device tier.", metavar="INDEX"),
-    Option("policy", "tiers", Kind.of(PolicyName), "frecency",
-           "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, or a candidate "
-           "measured against them (arc, s3fifo, tinylfu)."),
-    Option("codec", "tiers", Kind.of(CodecName), "identity", "How disk and cluster pages are stored: identity (as "
+    Option("policy", "tiers", Kind.named(POLICIES), "frecency",
+           "Eviction policy: frecency (recency and reuse, self-tuned), prefix (prefix-aware LRU), lru, a candidate "
+           "measured against them (arc, s3fifo, tinylfu), or your own: MODULE:CLASS or an entry point's name "
+           "(docs/policies.md)."),
+    Option("codec", "tiers", Kind.named(CODECS), "identity", "How disk and cluster pages are stored: identity (as "
            "they are), zstd (lossless), or, on float16/bfloat16/float32 pages, lossy k16v8 (~1.33x), int8 (~1.87x), "
-           "fp8 (~2x) or int4 (~3x); a namespace's codec key in the tokens file overrides it (docs/tiers.md, \"Codecs\")."),
+           "fp8 (~2x) or int4 (~3x), or your own (MODULE:CLASS or an entry point's name); a namespace's codec key "
+           "in the tokens file overrides it (docs/tiers.md, \"Codecs\")."),
     Option("disk_admission", "tiers", Kind.of(AdmissionName), "reuse", "Which host pages are written to disk as they "
            "leave host: reuse (only kinds of pages that come back often enough, see --disk-admission-threshold), or all."),
     Option("disk_admission_threshold", "tiers", FRACTION, DEFAULT_THRESHOLD, "For --disk-admission reuse: the share "
@@ -368,14 +390,16 @@ OPTIONS: tuple[Option, ...] = (
            "container) to use instead of spawning one; its --window then applies.", shown="none: spawn one"),
     Option("seal_key_file", "tiers", PATH, "", "Secret (>= 16 bytes, mode 0600) that seals disk and cluster pages "
            "to their key with a keyed MAC; shared by every node of a cluster.", shown="none"),
-    Option("cluster", "cluster", TEXT, "", "Cluster tier below disk, shared by nodes: redis://[USER[:PASSWORD]@]HOST:PORT,"
-           "HOST:PORT (Redis or Valkey Cluster; rediss:// for TLS).", shown="off", field="url", metavar="URL"),
+    Option("cluster", "cluster", TEXT, "", "Cluster tier below disk, shared by nodes; the URL's scheme names the "
+           "backend: redis://[USER[:PASSWORD]@]HOST:PORT,HOST:PORT (Redis or Valkey Cluster; rediss:// for TLS), or "
+           "a scheme an installed backend registers (docs/tiers.md).", shown="off", field="url", metavar="URL"),
     Option("cluster_password_file", "cluster", PATH, "", "File holding the cluster password (overrides the URL's).",
            shown="none", field="password_file"),
-    Option("cluster_tls_ca", "cluster", PATH, "", "PEM CA of the cluster's TLS certificates (rediss://).", shown="system",
+    Option("cluster_tls_ca", "cluster", PATH, "", "PEM CA of the cluster's TLS certificates (rediss://, or another "
+           "TLS scheme).", shown="system",
            field="tls_ca"),
-    Option("cluster_acl_file", "cluster", PATH, "", 'TOML: [namespaces."NS"] username, password: a cluster ACL user per '
-           "namespace.", shown="none", field="acl_file"),
+    Option("cluster_acl_file", "cluster", PATH, "", 'TOML: [namespaces."NS"] username, password: a cluster user per '
+           "namespace (Redis: an ACL user).", shown="none", field="acl_file"),
     Option("cluster_prefix", "cluster", TEXT, "kvtier", "First part of every cluster key (<prefix>:<layout>:<namespace>:<key>).",
            field="prefix", metavar="PREFIX"),
     Option("cluster_write", "cluster", Kind.of(ClusterWrite), "commit", "When pages are copied to the cluster: at commit, "

@@ -35,7 +35,7 @@ from kvtier.mechanism.io import ClusterReader, DiskReader, IOStats, Observer, Wr
 from kvtier.mechanism.keeper import KeeperClient, KeptFile
 from kvtier.mechanism.mover import ClusterParts, arena_ports
 from kvtier.mechanism.seal import Sealer
-from kvtier.policy import POLICIES, PolicyName, make_admission
+from kvtier.policy import POLICIES, make_admission
 from kvtier.server.config import ClusterConfig, TiersConfig, read_toml
 from kvtier.server.hint_keeper import HintKeeper
 from kvtier.server.wire_guard import cut
@@ -144,7 +144,7 @@ class Pool:
                 device_pages=device_pages,
                 ports=arena_ports(self.host, self.disk, self.reader, self.copies, self.cluster),
                 cluster_write=cluster.write if self.cluster is not None else ClusterWrite.OFF,
-                policy=POLICIES[PolicyName(config.policy)],
+                policy=POLICIES[config.policy],
                 admission=make_admission(config.disk_admission, host_pages, disk_pages, config.disk_admission_threshold)
                 if disk_pages else None,
                 write_through=config.write_through,
@@ -307,7 +307,7 @@ class PoolRegistry:
         self._kept: dict[str, list[KeptFile]] = {}  # a crashed predecessor's files, by layout id
         self._pools: dict[str, Pool] = {}
         self._quotas: Mapping[str, Quota] = {}  # namespace -> quota, for every pool (docs/configuration.md)
-        self._codecs = CodecChoice(tiers.codec.value)  # the tokens file's codec keys: `set_codecs`
+        self._codecs = CodecChoice(tiers.codec)  # the tokens file's codec keys: `set_codecs`
         self._lock = threading.Lock()
 
     def adopt_kept(self) -> int:
@@ -389,7 +389,7 @@ class PoolRegistry:
     def set_codecs(self, by_namespace: Mapping[str, str]) -> None:
         """Namespaces' own codecs (the tokens file's), in every pool and in pools made later."""
         with self._lock:
-            self._codecs = CodecChoice(self._tiers.codec.value, dict(by_namespace))
+            self._codecs = CodecChoice(self._tiers.codec, dict(by_namespace))
             for pool in self._pools.values():
                 pool.set_codecs(self._codecs)
 

@@ -16,7 +16,7 @@ from kvtier.codecs import CODECS, codec_named, decoder
 
 FLOATS = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 OTHERS = ("float8_e4m3fn", "float8_e5m2", "int8", "uint8")
-LOSSY = [name for name, cls in CODECS.items() if cls.lossy]
+LOSSY = [name for name in CODECS.builtin if CODECS[name].lossy]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}  # half an ulp, relative
 TINY = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149}  # the smallest subnormal
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +84,7 @@ def int8_bound(layout: PageLayout, x: np.ndarray, axis: int) -> np.ndarray:
 
 
 @FAST
-@given(page=float_pages(), name=st.sampled_from(list(CODECS)))
+@given(page=float_pages(), name=st.sampled_from(CODECS.builtin))
 def test_float_pages_round_trip_within_bounds(page, name):
     layout, a = page
     codec = codec_named(name, layout)
@@ -120,14 +120,14 @@ def test_other_dtypes_stay_exact(layout, seed, zeros):
     for name in LOSSY:
         assert codec_named(name, layout).id == 0
         assert decoder(CODECS[name].id, layout) is None
-    for name in CODECS:
+    for name in CODECS.builtin:
         data, out = roundtrip(name, layout, memoryview(page))
         assert out.tobytes() == page.tobytes()
         assert len(data) <= codec_named(name, layout).bound()
 
 
 @FAST
-@given(page=float_pages(), name=st.sampled_from(list(CODECS)), cut=st.integers(1, 64), extra=st.binary(min_size=1, max_size=8))
+@given(page=float_pages(), name=st.sampled_from(CODECS.builtin), cut=st.integers(1, 64), extra=st.binary(min_size=1, max_size=8))
 def test_damaged_encodings_are_refused(page, name, cut, extra):
     layout, a = page
     enc = codec_named(name, layout).encode(raw(a))
@@ -140,7 +140,7 @@ def test_damaged_encodings_are_refused(page, name, cut, extra):
 
 
 @FAST
-@given(page=float_pages(), name=st.sampled_from(list(CODECS)), seed=st.integers(0, 2**32 - 1))
+@given(page=float_pages(), name=st.sampled_from(CODECS.builtin), seed=st.integers(0, 2**32 - 1))
 def test_garbage_of_the_right_length_never_raises(page, name, seed):
     layout, a = page
     codec = codec_named(name, layout)
@@ -152,7 +152,7 @@ def test_garbage_of_the_right_length_never_raises(page, name, seed):
 
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", CODECS.builtin)
 def test_non_finite_and_extreme_values_do_not_raise(dtype, name):
     layout = PageLayout(2, 2, 16, 4, dtype)
     f = np.finfo(FLOATS[dtype]) if dtype != "bfloat16" else ml_dtypes.finfo(ml_dtypes.bfloat16)
@@ -187,7 +187,7 @@ def test_realistic_page_ratios(dtype):
     x = rng.standard_normal(layout.shape)
     x[:, 0, ..., :4] *= 20
     page = raw(x.astype(FLOATS[dtype]))
-    sizes = {name: len(bytes(codec_named(name, layout).encode(page).data)) for name in CODECS}
+    sizes = {name: len(bytes(codec_named(name, layout).encode(page).data)) for name in CODECS.builtin}
     ratio = {name: layout.page_bytes / size for name, size in sizes.items()}
     assert ratio["identity"] == 1 and ratio["zstd"] > 1.1
     assert ratio["k16v8"] == pytest.approx(4 / 3, rel=0.01) and ratio["fp8"] == pytest.approx(2, rel=0.01)

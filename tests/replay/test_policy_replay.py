@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier_bench.shapes import generate
-from kvtier.policy import PolicyName
+from kvtier.policy import POLICIES
 from kvtier.replay.mooncake import replay
 from kvtier.replay.policy import replay_policy
 
@@ -15,7 +15,7 @@ def requests() -> list[list[int]]:
     return [ids for _, ids in generate("sessions", seed=3, scale=0.08)] + [ids for _, ids in generate("scan", seed=3, scale=0.05)]
 
 
-@pytest.mark.parametrize("policy", [p.value for p in PolicyName])
+@pytest.mark.parametrize("policy", POLICIES.builtin)
 def test_policy_alone_matches_the_store(requests, policy):
     for pages, start in ((64, 0), (300, len(requests) // 2)):
         alone = replay_policy(requests, pages=pages, policy=policy, measure_from=start)

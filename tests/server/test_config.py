@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.mechanism.disk import FsyncPolicy
-from kvtier.policy import PolicyName
 from kvtier.server.cli import serve
 from kvtier.server.config import OPTIONS, AuthMode, ConfigError, DaemonConfig, LogFormat, docs_rows, load_config
 
@@ -42,7 +41,7 @@ def test_help_shows_each_flag_with_its_variable_and_default():
     for o in OPTIONS:
         entry = next((e for e in entries if e.startswith(o.flag + " ")), "")
         assert o.env in entry and f"default: {o.default_text}]" in entry, f"{o.flag}: {entry!r}"
-    assert "--host-size SIZE" in text and "--session-timeout DURATION" in text and "--policy [lru|prefix|frecency|arc|s3fifo|tinylfu]" in text
+    assert "--host-size SIZE" in text and "--session-timeout DURATION" in text and "--policy [lru|prefix|frecency|arc|s3fifo|tinylfu|MODULE:NAME]" in text
 
 
 def test_defaults_and_precedence_build_a_typed_tree(tmp_path):
@@ -51,14 +50,14 @@ def test_defaults_and_precedence_build_a_typed_tree(tmp_path):
     env = {"KVTIER_HOST_SIZE": "3MiB", "KVTIER_LOG_FORMAT": "text", "KVTIER_SOCKET": str(tmp_path / "s.sock")}
     cfg = load_config(str(config_file), env, {"host_size": "4MiB", "metrics_port": None})
     assert cfg.tiers.host_size == 4 << 20  # the flag beats the environment and the file
-    assert (cfg.tiers.policy, cfg.tiers.fsync, cfg.log.format) == (PolicyName.PREFIX, FsyncPolicy.NEVER, LogFormat.TEXT)
+    assert (cfg.tiers.policy, cfg.tiers.fsync, cfg.log.format) == ("prefix", FsyncPolicy.NEVER, LogFormat.TEXT)
     assert cfg.sessions.session_timeout == 1.0 and cfg.sessions.drain_timeout == 10.0
     assert cfg.auth.mode is AuthMode.NONE and cfg.listen.socket == str(tmp_path / "s.sock")
     assert cfg.tiers.arena_prefix.startswith("kvtier-") and cfg.tiers.disk_size == 8 << 30
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"KVTIER_POLICY": "mru"}, "policy: unknown 'mru'; use lru, prefix, frecency, arc, s3fifo or tinylfu"),
+    ({"KVTIER_POLICY": "mru"}, "policy: unknown eviction policy 'mru'; known: lru, prefix, frecency, arc, s3fifo, tinylfu"),
     ({"KVTIER_FSYNC": "True"}, "fsync: unknown 'True'; use batch, interval or never"),
     ({"KVTIER_AUTH": "ldap"}, "auth: unknown 'ldap'; use tokens or none"),
     ({"KVTIER_AUTH": "tokens"}, "auth = tokens needs tokens_file"),

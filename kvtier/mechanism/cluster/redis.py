@@ -1,5 +1,6 @@
-"""RedisClusterStore: a RemoteStore on Redis Cluster or Valkey Cluster (same protocol),
-through redis-py's RedisCluster.
+"""The built-in cluster backend (`REDIS`, schemes redis, rediss, valkey, valkeys) and its
+store, RedisClusterStore: a RemoteStore on Redis Cluster or Valkey Cluster (same
+protocol), through redis-py's RedisCluster.
 
 redis-py keeps the slot map, follows MOVED and ASK during resharding and failover, and
 sends a pipeline as one batch per node. A value is a hash of two fields, `h` (header) and
@@ -21,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, Value
+from kvtier.mechanism.cluster.remote import FaultKind, RemoteFault, RemoteMemory, StoreSettings, Value
 
 #: The URL schemes of a Redis or Valkey Cluster; the second of each pair is TLS.
 SCHEMES = ("redis", "rediss", "valkey", "valkeys")
@@ -189,3 +190,17 @@ class RedisClusterStore:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+class RedisBackend:
+    """Redis or Valkey Cluster, as a ClusterBackend."""
+
+    def check(self, url: str) -> None:
+        ClusterAddress.parse(url)
+
+    def open(self, url: str, settings: StoreSettings) -> RedisClusterStore:
+        return RedisClusterStore(url, username=settings.username, password=settings.password,
+                                 tls_ca=settings.tls_ca, timeout=settings.timeout)
+
+
+REDIS = RedisBackend()

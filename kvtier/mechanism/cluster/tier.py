@@ -1,7 +1,7 @@
 """ClusterTier: one page layout's pages on a RemoteStore, as batches.
 
 Every fault is a miss: a dead shard, a failover or reshard in progress, a timeout, an
-evicted key (maxmemory), a cluster that is down. It is counted by kind, logged once when
+key the store dropped to make room, a store that is down. It is counted by kind, logged once when
 an episode of faults begins and once when calls succeed again, and never raised to the
 caller. A value that fails its header or checksum (corrupt), or whose seal is not that of
 the key it was read under (misbound: moved from another key or namespace, or sealed with

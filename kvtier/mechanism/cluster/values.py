@@ -1,8 +1,10 @@
-"""The cluster tier's keys and values.
+"""The cluster tier's keys and values: the tier's format, whatever the backend (a backend
+stores the key and the value's two parts as they are: kvtier.mechanism.cluster.remote).
 
 Key: `<prefix>:<layout id>:<namespace, percent-quoted>:<block key, hex>`. Printable, so an
-operator can read it in `redis-cli` and write ACL key patterns per namespace
-(`~kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never share a key.
+operator can read it in the store's own tools and write per-namespace access rules by
+key pattern (`kvtier:<layout id>:<namespace>:*`); two namespaces or two layouts never
+share a key.
 
 Value: a 48-byte header and the page as its codec encodes it (kvtier.codecs; identity: the
 page itself), stored as two parts of one value (RemoteStore):

@@ -38,7 +38,7 @@ class ClusterWriter:
                  retry_interval: float = 1.0) -> None:
         """`view(slot)` is a host page and `checksum(slot)` the xxh3-64 it was published
         with, if known (not hashed again); `max_bytes` bounds what is queued or in flight;
-        `batch_pages` pages go in one pipeline; while the cluster fails, one offer per
+        `batch_pages` pages go in one batch; while the cluster fails, one offer per
         `retry_interval` is tried and the rest refused."""
         self.tier = tier
         self.view = view
