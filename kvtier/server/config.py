@@ -28,8 +28,8 @@ from kvtier.mechanism.disk import FsyncPolicy
 from kvtier.mechanism.seal import Sealer
 from kvtier.policy import POLICIES, AdmissionName
 from kvtier.policy.admission import DEFAULT_THRESHOLD
-from kvtier.units import parse_duration, parse_size
 from kvtier.registry import Registry, RegistryError
+from kvtier.units import parse_duration, parse_size
 
 try:
     import tomllib
@@ -244,8 +244,8 @@ class Kind:
     metavar: str
     parse: Callable[[Any, str], Any]
     choices: tuple[str, ...] = ()  # offered by the flag; an enum kind also refuses others
-    #: Read only once the layers are merged: a bad value in the file that a flag or a
     extensible: bool = False  # the choices are the built-in names of a registry: others are taken too
+    #: Read only once the layers are merged: a bad value in the file that a flag or a
     #: variable overrides is no error (sizes, durations and numbers are read per layer).
     read_last: bool = False
 
@@ -265,7 +265,6 @@ class Kind:
 
         return Kind("|".join(names), parse, names, read_last=True)
 
-
     @staticmethod
     def named(registry: Registry) -> Kind:
         """A name in `registry` (kvtier.registry): a built-in one (the flag offers those,
@@ -283,6 +282,7 @@ class Kind:
 
         names = registry.builtin
         return Kind(f"[{'|'.join(names)}|MODULE:NAME]", parse, names, extensible=True, read_last=True)
+
 
 TEXT = Kind("TEXT", _text)
 PATH = Kind("PATH", _text)
