@@ -21,8 +21,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from importlib import metadata
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +131,12 @@ class Registry(Generic[T]):
             raise RegistryError(f"{self.kind} {name!r} does not load: {type(exc).__name__}: {exc}. "
                                 f"Is its package installed or on PYTHONPATH? ({self.docs})") from None
 
-    def _entry_points(self) -> dict[str, metadata.EntryPoint]:
+    def _entry_points(self) -> dict[str, EntryPoint]:
         """The group's entry points by name, read afresh (a plugin may be installed while a
-        process runs); one that takes a built-in's name is skipped and logged."""
+        process runs); one that takes a built-in's name is skipped and logged. (Imported
+        here: a command that names only built-ins never pays for importlib.metadata.)"""
+        from importlib import metadata
+
         points = {}
         for point in metadata.entry_points(group=self.group):
             if point.name in self.builtin:
