@@ -8,4 +8,6 @@ scripts/setup_vllm.sh   # .venv-vllm for the vLLM connector's end-to-end test (a
 scripts/setup_sglang.sh  # .venv-sglang for the SGLang HiCache backend's test (about a minute, once)
 scripts/gen_proto.sh --check
 .venv/bin/python scripts/gen_values_schema.py --check   # deploy/helm/kvtier/values.schema.json
-exec .venv/bin/python -m pytest -q --durations=30 "$@"
+# On every core (pytest-xdist): most tests wait on daemons. A module's tests stay on one worker
+# (--dist loadfile), so a module-scoped daemon or vLLM run is made once. `-n 0` runs serially.
+exec .venv/bin/python -m pytest -q -n auto --dist loadfile --durations=30 "$@"

@@ -20,6 +20,11 @@ pytest_plugins = [
     "shared_data_plugin",  # mooncake_trace: the shared trace, or a skip that says where it was looked for
 ]
 
+# pytest-xdist's workers start with COLUMNS=80, which `kvtier stats` (and rich) would fit its
+# tables to: the tests read plain output one table row per line, as a serial run gives them.
+# A test that wants a width passes COLUMNS itself (tests/server/test_cli_output.py).
+os.environ.pop("COLUMNS", None)
+
 #: A small layout whose page (3072 bytes) is not a whole slot (4096), so padding is exercised.
 SMALL_LAYOUT = PageLayout(layers=1, kv_heads=1, head_dim=48, block_tokens=16, dtype="float16")
 SHM_DIR = "/dev/shm"
