@@ -55,9 +55,14 @@ def redis_cluster(_redis_cluster_shared) -> LocalRedisCluster:
     cluster = _redis_cluster_shared.get()
     cluster.flushall()
     cluster.set_maxmemory(0, "noeviction")  # Redis's defaults, whatever the last test set
+    slots = _slot_counts(cluster)
     yield cluster
-    if not (all(n.alive for n in cluster.nodes) and cluster.is_ok()):
-        _redis_cluster_shared.discard()
+    if not (all(n.alive for n in cluster.nodes) and cluster.is_ok() and _slot_counts(cluster) == slots):
+        _redis_cluster_shared.discard()  # broken or resharded: the next test (in any order) gets a fresh one
+
+
+def _slot_counts(cluster: LocalRedisCluster) -> list[int]:
+    return [len(cluster.slots_of(m)) for m in cluster.masters()]
 
 
 @pytest.fixture
