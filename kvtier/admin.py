@@ -15,6 +15,7 @@ from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier_client.connection import Connection, TLSConfig
 from kvtier_client.errors import KVTierError, Unavailable
+from kvtier_client.integrations.daemon_settings import default_socket
 from kvtier_client.keys import ALGORITHMS, DEFAULT_ALGORITHM, block_keys
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.results import BlockExplanation, BlockReason, Explanation, MissReason, hashing
@@ -26,8 +27,6 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from kvtier.core.control import DROP_HINT
-from kvtier.server.config import default_socket
 from kvtier.units import parse_duration, parse_size
 
 
@@ -610,8 +609,8 @@ def _describe(block: BlockExplanation, other_algorithm: str | None) -> str:
     hint = f"; {block.hint}" if block.hint else ""
     if reason is BlockReason.CACHED:
         return f"cached in {where}{hint}"
-    if reason is BlockReason.EVICTED and block.policy == DROP_HINT:
-        return f"dropped from {where} {block.seconds_ago:.0f} s ago by {DROP_HINT} (kvtier cache drop, or a client's drop)"
+    if reason is BlockReason.DROPPED:
+        return f"dropped from {where} {block.seconds_ago:.0f} s ago by a client's drop (kvtier cache drop, KVTierClient.drop)"
     if reason is BlockReason.EVICTED:
         whose = "own pressure" if block.own_pressure else "another namespace's pressure"
         return f"evicted from {where} {block.seconds_ago:.0f} s ago by {block.policy or '?'} ({whose})"
@@ -627,9 +626,9 @@ def _describe(block: BlockExplanation, other_algorithm: str | None) -> str:
 
 
 #: How the summary line names each kind of block, in its order.
-_KINDS = {BlockReason.CACHED: "cached", BlockReason.EVICTED: "evicted", BlockReason.CORRUPT: "dropped as corrupt",
-          BlockReason.NEVER_STORED: "never stored", BlockReason.OTHER_LAYOUT: "in another layout",
-          BlockReason.BEYOND_PREFIX: "beyond the prefix"}
+_KINDS = {BlockReason.CACHED: "cached", BlockReason.EVICTED: "evicted", BlockReason.DROPPED: "dropped by a client",
+          BlockReason.CORRUPT: "dropped as corrupt", BlockReason.NEVER_STORED: "never stored",
+          BlockReason.OTHER_LAYOUT: "in another layout", BlockReason.BEYOND_PREFIX: "beyond the prefix"}
 _OTHER_FINGERPRINT = "under another hash fingerprint"
 
 
@@ -730,7 +729,7 @@ def why(keys: tuple[str, ...], socket: str | None, target: str | None, tls_ca: s
     conn = connect(socket, target, tls_ca, tls_cert, tls_key, token)
 
     def explain(ks: list[bytes]) -> Explanation:
-        request = pb.ExplainRequest(namespace=namespace, keys=ks, pool_id=pool_id)
+        request = pb.ExplainRequest(namespace=namespace, keys=ks, pool_id=pool_id, reads_dropped=True)
         return Explanation.from_proto(_ask(conn, "Explain", request))
 
     try:

@@ -104,7 +104,8 @@ def render_stats(stats: Stats) -> str:
     return "\n".join(lines)
 
 
-@click.command("demo")
+@click.command("demo", short_help="Start a throwaway daemon and walk one prompt through the cache.",
+               epilog="\b\nExample:\n  kvtier demo --host-size 16Mi --disk-size 64MiB")
 @click.option("--prompt", default=DEMO_PROMPT, show_default=False, help="Text whose UTF-8 bytes serve as token ids.")
 @click.option("--host-size", type=Size(), default="16MiB", show_default=True, metavar="SIZE",
               help="Host tier of the demo daemon (16MiB, 16Mi, 1GiB).")

@@ -34,8 +34,7 @@ from kvtier_client import keys as keys_mod
 from kvtier_client.connection import Backoff, Connection, TLSConfig
 from kvtier_client.device import DeviceArenaView, FetchSlots, NamespaceDeviceView
 from kvtier_client.errors import (
-    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, InvalidArgument, KVTierError, NotFound, PermissionDenied,
-    Unavailable,
+    BorrowAfterCommitError, DaemonRestarted, FailedPrecondition, KVTierError, NotFound, PermissionDenied, Unavailable,
     from_status,
 )
 from kvtier_client.events import EventStream
@@ -49,10 +48,11 @@ from kvtier_client.layout import PageLayout
 from kvtier_client.leases import Lease, ReadLease, WriteLease
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
 from kvtier_client.protocol import (
-    PAGE_PIECE_BYTES, Granted, Steer, Wait, check_known, check_lent_tier, check_token_ids, wait_request,
+    PAGE_PIECE_BYTES, Granted, Steer, Wait, check_known, check_lent_tier, check_prefetch, check_token_ids,
+    wait_request,
 )
 from kvtier_client.results import CommitResult, Explanation, LookupResult, PoolInfo, Stats
-from kvtier_client.steering import MAX_PREFETCH_HOLD, Action, PinMode, Priority, SteerResult
+from kvtier_client.steering import Action, PinMode, Priority, SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.views import HostArenaView
 from kvtier_client.wire import layout_to_proto
@@ -470,9 +470,9 @@ class KVTierClient:
                  hold: float = 0.0) -> int:
         """Ask the daemon to move these pages up ahead of an acquire; returns how many it accepted.
         `hold`: the engine's deadline, in seconds (up to MAX_PREFETCH_HOLD): the pages, and those
-        already in host, stay there until then (0: the daemon's prefetch_hold)."""
-        if not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_PREFETCH_HOLD:
-            raise InvalidArgument(f"hold must be 0 to {MAX_PREFETCH_HOLD:.0f} seconds, got {hold!r}")
+        already in host, stay there until then (0: the daemon's prefetch_hold). ValueError,
+        before anything is sent, for what the daemon would refuse (kvtier_client.protocol)."""
+        check_prefetch(tier, priority, hold)
         return self._in_session(lambda s: s.path.prefetch(keys, tier, priority, hold))
 
     # -- cache control (docs/cache-control.md) ----------------------------------
@@ -712,6 +712,7 @@ class KVTierClient:
         or beyond the longest cached prefix. Changes nothing, counts nothing."""
         self._sync()
         reply = self._in_session(
-            lambda s: self._conn.unary("Explain", pb.ExplainRequest(session_id=s.session_id, keys=list(keys)), key=s.key)
+            lambda s: self._conn.unary("Explain", pb.ExplainRequest(session_id=s.session_id, keys=list(keys),
+                                                                    reads_dropped=True), key=s.key)
         )
         return Explanation.from_proto(reply)

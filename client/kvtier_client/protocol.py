@@ -16,25 +16,32 @@ would (docs/protocol.md).
   the core's timeout)
 - grants: `Granted`, `NO_LEASE`, `read_grant` (how either transport's reply is read)
 - cache control (Steer): `Steer` (a request but its keys), `Steer.wire` (client: its proto
-  numbers, checked), `read_steer` (daemon: those numbers -> a Steer)
+  numbers, checked), `read_steer` (daemon: those numbers -> a Steer); the ttl of a pin or
+  retain, `check_ttl`, and the tiers a demote moves pages to, `DEMOTE_TIERS` and
+  `check_demote_tier`, which the core applies too
 - sizes both ends hold to: `MAX_FRAME`, `LANE_BUFFER_BYTES`, `MAX_REQUEST_BYTES`,
   `PAGE_PIECE_BYTES`, `MAX_MESSAGE_BYTES`
 
 Every check raises ValueError, saying what is wrong and what to pass instead: the client
-lets it reach the engine (a request it built wrong), the daemon answers it as
-INVALID_ARGUMENT on either transport (kvtier.server.ops).
+lets it reach the engine (a request it built wrong); the daemon applies it through `checked`,
+which makes it InvalidArgument, answered as INVALID_ARGUMENT on either transport. These
+are the only statements of these rules: the daemon's core calls the same functions where
+it checks a request (with what only it knows, such as whether it has a device tier).
 """
 from __future__ import annotations
 
 import enum
 import math
+import numbers
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import LeaseId, Slot
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
-from kvtier_client.steering import MAX_TTL_SECONDS, Action, PinMode, Priority
+from kvtier_client.steering import MAX_PREFETCH_HOLD, MAX_TTL_SECONDS, Action, PinMode, Priority
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import tier_from_proto, tier_to_proto
 
@@ -56,6 +63,29 @@ PAGE_PIECE_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 256 << 20
 #: deadline_ms travels as a u32 (proto uint32; the lane's u32): about 49 days.
 MAX_DEADLINE_MS = (1 << 32) - 1
+
+T = TypeVar("T")
+
+
+def checked(rule: Callable[..., T], *args, **kwargs) -> T:
+    """A rule applied by the daemon to a request it received (kvtier.server.ops, and the
+    core where it checks one): what the rule refuses is InvalidArgument, with the rule's
+    message, which either transport answers as INVALID_ARGUMENT."""
+    try:
+        return rule(*args, **kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def _tier(value: int, unset: Tier) -> Tier:
+    """A tier as a request numbers it (kvtier.v1.Tier; TIER_UNSPECIFIED reads as `unset`), so
+    that the daemon's rule then names it as the client's does."""
+    if value == pb.TIER_UNSPECIFIED:
+        return unset
+    try:
+        return tier_from_proto(value)
+    except ValueError:
+        raise ValueError(f"tier {value} is no kvtier.v1.Tier; use TIER_HOST, TIER_DEVICE or TIER_DISK") from None
 
 
 # -- token ids per block (Commit) --------------------------------------------------------
@@ -96,22 +126,53 @@ def check_known(known: int, keys: int) -> int:
 LENT_TIERS = (Tier.HOST, Tier.DEVICE)
 
 
-def check_lent_tier(tier: Tier) -> None:
-    """The client's check of the tier it asks pages to be lent from."""
+def check_lent_tier(tier: Tier, *, has_device: bool = True) -> None:
+    """The tier pages are to be lent from, on a daemon with or without a device tier (the
+    client, which cannot know, checks the rest)."""
+    tier = Tier(tier)
     if tier not in LENT_TIERS:
         raise ValueError(f"pages are lent from host or device, not {tier.label}")
+    if tier is Tier.DEVICE and not has_device:
+        raise ValueError("this daemon has no device tier (no GPU, or device_size 0); use TIER_HOST")
 
 
 def lent_tier(value: int, *, has_device: bool) -> Tier:
-    """A requested tier (proto numbering; unspecified is host) as the tier pages are lent
-    from, on a daemon with or without a device tier."""
-    if value in (pb.TIER_UNSPECIFIED, pb.TIER_HOST):
-        return Tier.HOST
-    if value == pb.TIER_DEVICE:
-        if not has_device:
-            raise ValueError("this daemon has no device tier (no GPU, or device_size 0); use TIER_HOST")
-        return Tier.DEVICE
-    raise ValueError(f"pages can be acquired into host (or device on GPU daemons), not tier {value}")
+    """A requested tier (proto numbering; unspecified is host), checked as `check_lent_tier`."""
+    tier = _tier(value, Tier.HOST)
+    check_lent_tier(tier, has_device=has_device)
+    return tier
+
+
+# -- prefetch ----------------------------------------------------------------------------
+#: The tiers a prefetch loads pages into: host only (an acquire into device promotes them
+#: from there).
+PREFETCH_TIERS = (Tier.HOST,)
+#: A prefetch's priority travels as an int32 (PrefetchRequest.priority; the lane's i32).
+MIN_PREFETCH_PRIORITY, MAX_PREFETCH_PRIORITY = -(1 << 31), (1 << 31) - 1
+
+
+def check_prefetch(tier: Tier, priority: int, hold: float) -> None:
+    """A prefetch's tier, priority (its place among queued prefetches) and hold (the
+    engine's deadline, seconds: its pages are held in host until then; 0: the daemon's
+    prefetch_hold)."""
+    tier = Tier(tier)
+    if tier not in PREFETCH_TIERS:
+        raise ValueError(f"prefetch loads pages into host, not {tier.label}; an acquire into device "
+                         "promotes them from there")
+    if (isinstance(priority, bool) or not isinstance(priority, numbers.Integral)
+            or not MIN_PREFETCH_PRIORITY <= priority <= MAX_PREFETCH_PRIORITY):
+        raise ValueError(f"a prefetch's priority is an integer from -2**31 to 2**31 - 1, got {priority!r}")
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_PREFETCH_HOLD:
+        raise ValueError(f"a prefetch's hold (its deadline) must be 0 (the daemon's prefetch_hold) to "
+                         f"{MAX_PREFETCH_HOLD:.0f} seconds, got {hold!r}; a longer wait is a pin's")
+
+
+def read_prefetch(tier: int, priority: int, hold: float) -> Tier:
+    """A Prefetch request's numbers (PrefetchRequest, the lane's PREFETCH frame; tier
+    unspecified is host), checked as `check_prefetch`: the tier to load into."""
+    requested = _tier(tier, Tier.HOST)
+    check_prefetch(requested, priority, hold)
+    return requested
 
 
 # -- the wait policy (Acquire, AcquirePrefix) --------------------------------------------
@@ -191,7 +252,22 @@ _PIN_MODES_IN = {pb.PIN_MODE_UNSPECIFIED: PinMode.SOFT, **{v: k for k, v in _PIN
 _PRIORITIES = {Priority.COLD: pb.RETAIN_PRIORITY_COLD, Priority.NORMAL: pb.RETAIN_PRIORITY_NORMAL,
                Priority.HIGH: pb.RETAIN_PRIORITY_HIGH}
 _PRIORITIES_IN = {v: k for k, v in _PRIORITIES.items()}
-_DEMOTE_TIERS = {pb.TIER_UNSPECIFIED: Tier.DISK, pb.TIER_HOST: Tier.HOST, pb.TIER_DISK: Tier.DISK}
+#: The tiers a demote moves pages down to: host (off the device), or disk (off both).
+DEMOTE_TIERS = (Tier.HOST, Tier.DISK)
+
+
+def check_ttl(ttl: float) -> None:
+    """How long a pin or retain lasts: 0 (until unpinned, or its session ends) to
+    MAX_TTL_SECONDS."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= MAX_TTL_SECONDS:
+        raise ValueError(f"ttl must be 0 (until the session ends) to {MAX_TTL_SECONDS:.0f} seconds, got {ttl!r}")
+
+
+def check_demote_tier(tier: Tier) -> None:
+    """The tier a demote moves pages below its upper neighbours to."""
+    tier = Tier(tier)
+    if tier not in DEMOTE_TIERS:
+        raise ValueError(f"demote moves pages down to host or disk (TIER_HOST, TIER_DISK), not {tier.label}")
 
 
 @dataclass(frozen=True)
@@ -232,8 +308,7 @@ def read_steer(action: int, mode: int, ttl: float, priority: int, tier: int) -> 
                                       ("tier", tier)) if value and not takes[name]]
     if stray:
         raise ValueError(f"{act.label} takes no {', '.join(stray)}; leave it unset")
-    if not math.isfinite(ttl) or not 0 <= ttl <= MAX_TTL_SECONDS:
-        raise ValueError(f"ttl must be 0 (until the session ends) to {MAX_TTL_SECONDS:.0f} seconds, got {ttl!r}")
+    check_ttl(ttl)
     if act is Action.PIN:
         if mode not in _PIN_MODES_IN:
             raise ValueError(f"unknown pin mode {mode}; use PIN_MODE_SOFT or PIN_MODE_HARD")
@@ -243,7 +318,7 @@ def read_steer(action: int, mode: int, ttl: float, priority: int, tier: int) -> 
             raise ValueError(f"a retain names its priority ({priority} is none): RETAIN_PRIORITY_COLD, NORMAL or HIGH")
         return Steer(act, ttl=ttl, priority=_PRIORITIES_IN[priority])
     if act is Action.DEMOTE:
-        if tier not in _DEMOTE_TIERS:
-            raise ValueError(f"demote moves pages below host or disk (TIER_HOST, TIER_DISK), not tier {tier}")
-        return Steer(act, tier=_DEMOTE_TIERS[tier])
+        down_to = _tier(tier, Tier.DISK)
+        check_demote_tier(down_to)
+        return Steer(act, tier=down_to)
     return Steer(act)

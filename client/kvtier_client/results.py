@@ -181,6 +181,7 @@ class MissReason(str, enum.Enum):
     EVICTED = "evicted"  # its last copy was evicted (from `tier` by `policy`, `seconds_ago`)
     CORRUPT = "corrupt"  # its last copy failed its checksum and was dropped (from `tier`)
     BEYOND_PREFIX = "beyond_prefix"  # cached in `tier`, but after a block that is not
+    DROPPED = "dropped"  # a client's drop (`kvtier cache drop`, KVTierClient.drop) removed every copy (last from `tier`)
 
 
 #: Why a block is or is not served: its state in the daemon (Explain). CACHED (in `tier`,
@@ -201,6 +202,7 @@ BLOCK_STATES = {
     BlockReason.CORRUPT: pb.BLOCK_CORRUPT,
     BlockReason.OTHER_LAYOUT: pb.BLOCK_OTHER_LAYOUT,
     BlockReason.BEYOND_PREFIX: pb.BLOCK_BEYOND_PREFIX,
+    BlockReason.DROPPED: pb.BLOCK_DROPPED,
 }
 _REASONS = {state: reason for reason, state in BLOCK_STATES.items()}
 
@@ -211,9 +213,9 @@ class BlockExplanation:
 
     index: int
     reason: BlockReason
-    tier: Tier | None  # CACHED, BEYOND_PREFIX: where it is; EVICTED, CORRUPT: where it was
+    tier: Tier | None  # CACHED, BEYOND_PREFIX: where it is; EVICTED, CORRUPT, DROPPED: where it was
     pool_id: str  # the pool the answer is about (OTHER_LAYOUT: the pool that has it)
-    seconds_ago: float = 0.0  # EVICTED, CORRUPT
+    seconds_ago: float = 0.0  # EVICTED, CORRUPT, DROPPED
     policy: str = ""  # EVICTED: the eviction policy that chose it
     own_pressure: bool = False  # EVICTED: to make room for this namespace (else another one)
     hint: str = ""  # CACHED, BEYOND_PREFIX: the client hint that ranks it (a pin, a retain), in words

@@ -11,7 +11,8 @@ says what each means to a client; docs/cache-control.md has the rules).
                            are written to disk (outside the lock, in kvtier.core.writes.Writes.run)
                            and leave host.
     drop                   every copy on this node goes (the cluster tier, shared by
-                           nodes, keeps its own); the history says a hint dropped them.
+                           nodes, keeps its own); the history records them as
+                           MissReason.DROPPED (a lookup's miss, `stats why`).
 
 Blocks in use (leased, loading, being saved) are skipped and counted, never waited for:
 a hint is not worth a stall. A request names keys; those not cached count as `missing`.
@@ -23,10 +24,11 @@ import time
 from dataclasses import replace
 from collections.abc import Callable
 
-from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgument
+from kvtier_client.errors import CapacityError, FailedPrecondition
 from kvtier_client.ids import SessionId
+from kvtier_client.protocol import check_demote_tier, check_ttl, checked
 from kvtier_client.results import MissReason
-from kvtier_client.steering import MAX_TTL_SECONDS, PinMode, PinUsage, Priority, SteerResult
+from kvtier_client.steering import PinMode, PinUsage, Priority, SteerResult
 from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity, WriteOut
@@ -35,8 +37,6 @@ from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
 from kvtier.core.pin_loads import PinLoads
 from kvtier.policy.classes import Rank
 
-#: What the history names as the "policy" that removed a dropped block (`stats why`).
-DROP_HINT = "a drop hint"
 _RANK_OF_PRIORITY = {Priority.COLD: Rank.COLD, Priority.HIGH: Rank.HIGH}
 
 
@@ -82,8 +82,7 @@ class CacheControl:
              what: str) -> SteerResult:
         check_namespace(namespace)
         check_keys(keys)
-        if not isinstance(ttl, (int, float)) or not 0 <= ttl <= MAX_TTL_SECONDS:
-            raise InvalidArgument(f"ttl must be 0 (until the session ends) to {MAX_TTL_SECONDS:.0f} seconds, got {ttl!r}")
+        checked(check_ttl, ttl)
         with self._lock:
             self.hints.expire()
             refs = self._cached(namespace, keys)
@@ -192,9 +191,8 @@ class CacheControl:
         the device), or to disk (off device and host)."""
         check_namespace(namespace)
         check_keys(keys)
+        checked(check_demote_tier, tier)
         tier = Tier(tier)
-        if tier not in (Tier.HOST, Tier.DISK):
-            raise InvalidArgument(f"demote to {tier.label} is not available: demote to host or disk")
         if tier not in self.index.tiers:
             raise FailedPrecondition(f"this pool has no {tier.label} tier to demote to; demote to host, or drop")
         return self._run(lambda: self._demote(namespace, keys, tier))
@@ -258,7 +256,7 @@ class CacheControl:
             last = min(block.copies)
             for tier in sorted(block.copies, reverse=True):
                 self.capacity.drop([block], tier)
-            index.history.record(ref, MissReason.EVICTED, last, now, DROP_HINT, True)
+            index.history.record(ref, MissReason.DROPPED, last, now)
             dropped += 1
         busy = len(refs) - dropped
         return SteerResult(dropped, len(set(keys)) - len(refs), busy, f"{busy} in use (leased or loading)" if busy else "")

@@ -27,21 +27,21 @@ ENTRY_BYTES = 256
 class Departure(NamedTuple):
     """How a block left the index: its last copy left `tier`."""
 
-    reason: MissReason  # EVICTED or CORRUPT
+    reason: MissReason  # EVICTED, CORRUPT or DROPPED
     tier: Tier
     when: float  # time.monotonic()
     policy: str = ""  # EVICTED: the policy that chose it
     own_pressure: bool = False  # EVICTED: to make room for its own namespace
 
 
-#: An entry is one int, a Departure packed (low bits first): reason (2 bits), tier (3),
+#: An entry is one int, a Departure packed (low bits first): reason (3 bits), tier (3),
 #: own_pressure (1), policy (as an index into the history's few policy names, 8), and
 #: `when` in microseconds. One int costs far less than a tuple and a float, and the garbage
 #: collector does not track it, so a full history does not slow every collection.
 _REASONS = tuple(MissReason)  # kvtier_client.results.MissReason, the one definition
-assert len(_REASONS) <= 4, "a reason is 2 bits of an entry"
+assert len(_REASONS) <= 8, "a reason is 3 bits of an entry"
 _CODE = {reason: code for code, reason in enumerate(_REASONS)}
-_POLICY_SHIFT, _WHEN_SHIFT = 6, 14
+_TIER_SHIFT, _PRESSURE_SHIFT, _POLICY_SHIFT, _WHEN_SHIFT = 3, 6, 7, 15
 _MAX_POLICIES = 1 << (_WHEN_SHIFT - _POLICY_SHIFT)
 
 
@@ -66,8 +66,8 @@ class MissHistory:
         if not self.size:
             return
         gone = self._gone
-        gone[ref] = (_CODE[reason] | int(tier) << 2 | own_pressure << 5 | self._policy(policy) << _POLICY_SHIFT
-                     | int(when * 1e6) << _WHEN_SHIFT)
+        gone[ref] = (_CODE[reason] | int(tier) << _TIER_SHIFT | own_pressure << _PRESSURE_SHIFT
+                     | self._policy(policy) << _POLICY_SHIFT | int(when * 1e6) << _WHEN_SHIFT)
         if len(gone) > self.size:
             gone.popitem(last=False)
 
@@ -86,11 +86,12 @@ class MissHistory:
     def reason(self, ref: Ref) -> MissReason | None:
         """Why `ref` left, or None if the history does not know it (all a lookup reads)."""
         entry = self._gone.get(ref)
-        return None if entry is None else _REASONS[entry & 3]
+        return None if entry is None else _REASONS[entry & 7]
 
     def departure(self, namespace: str, key: bytes) -> Departure | None:
         entry = self._gone.get((namespace, key))
         if entry is None:
             return None
-        return Departure(_REASONS[entry & 3], Tier(entry >> 2 & 7), (entry >> _WHEN_SHIFT) / 1e6,
-                         self._policies[entry >> _POLICY_SHIFT & (_MAX_POLICIES - 1)], bool(entry >> 5 & 1))
+        return Departure(_REASONS[entry & 7], Tier(entry >> _TIER_SHIFT & 7), (entry >> _WHEN_SHIFT) / 1e6,
+                         self._policies[entry >> _POLICY_SHIFT & (_MAX_POLICIES - 1)],
+                         bool(entry >> _PRESSURE_SHIFT & 1))

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from kvtier_client.errors import CapacityError, InvalidArgument, NotFound
 from kvtier_client.ids import SessionId
-from kvtier_client.steering import MAX_PREFETCH_HOLD
+from kvtier_client.protocol import check_lent_tier, check_prefetch, checked
 from kvtier_client.tiers import Tier
 
 from kvtier.core.cluster import ClusterCopies
@@ -136,9 +136,7 @@ class Reads:
         index, loads = self.index, self.loads
         if not keys:
             raise InvalidArgument("acquire needs at least one key; look up first and acquire the hit prefix")
-        if tier not in index.tiers or tier == Tier.DISK:
-            lendable = " and ".join(t.label for t in index.tiers if t != Tier.DISK)
-            raise InvalidArgument(f"acquire into {tier.label} is not available: this daemon lends {lendable} pages")
+        checked(check_lent_tier, tier, has_device=Tier.DEVICE in index.tiers)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("acquire got the same key twice; pass each block once")
         if timeout is not None and timeout < 0:
@@ -300,14 +298,7 @@ class Reads:
         """(kvtier.core.store.BlockStore.prefetch says what.)"""
         check_namespace(namespace)
         check_keys(keys)
-        if tier != Tier.HOST:
-            raise InvalidArgument(
-                f"prefetch into {tier.label} is not available: prefetch loads pages into host; "
-                "acquire into device promotes them from there"
-            )
-        if not isinstance(hold, (int, float)) or not 0 <= hold <= MAX_PREFETCH_HOLD:
-            raise InvalidArgument(f"a prefetch's deadline must be 0 (the daemon's prefetch_hold) to "
-                                  f"{MAX_PREFETCH_HOLD:.0f} seconds, got {hold!r}")
+        checked(check_prefetch, tier, priority, hold)
         accepted, complete = self._run(lambda: self._prefetch_local(session, namespace, keys, priority, hold))
         if not complete or accepted == len(keys) or self.cluster is None:
             return accepted

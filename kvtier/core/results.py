@@ -111,7 +111,7 @@ class NamespaceTierUsage:
 @dataclass(frozen=True)
 class NamespaceUsage:
     """One namespace's use of the store. `misses`: missed blocks by reason (the values of
-    kvtier_client.results.MissReason: never_stored, evicted, corrupt, beyond_prefix)."""
+    kvtier_client.results.MissReason: never_stored, evicted, corrupt, beyond_prefix, dropped)."""
 
     namespace: str
     tiers: tuple[NamespaceTierUsage, ...]

@@ -46,7 +46,7 @@ device page demotes it to host when host has no copy, and host evictions go on t
 With a cluster tier (a store shared by nodes, below disk), a lookup whose prefix ends
 here asks the cluster for the rest, outside the lock, and reports its hits as CLUSTER;
 `acquire` and `prefetch` file a new block per such key with a loading host copy and load
-it through the same path as a disk page (`Loads.start_remote`). Committed pages are handed
+it through the same path as a disk page (`Loads.start_new`: one load life cycle for every source). Committed pages are handed
 to the remote port's writer with their host copies held until it reports
 (`cluster_write = commit`), or copied as they are demoted to disk (`demote`).
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import LeaseId, SessionId, Slot
 from kvtier_client.layout import PageLayout
+from kvtier_client.protocol import checked, split_token_ids
 from kvtier_client.tiers import Tier
 
 from kvtier.core.capacity import Capacity, WriteBatch, WriteOut
@@ -142,11 +143,10 @@ class Writes:
         return WriteGrant(lease.lease_id, Tier.HOST, tuple(slots)), given
 
     def commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
-               tokens: list[tuple[int, ...]] | None, checksums: list[int] | None = None) -> CommitOutcome:
+               token_ids: Sequence[int] | None, checksums: list[int] | None = None) -> CommitOutcome:
         """Publish a write lease's pages (kvtier.core.store.BlockStore.commit says how);
         their hashing, cluster and write-through copies run after the lock is released."""
-        if tokens is not None:
-            self._check_tokens(keys, tokens)
+        tokens = None if token_ids is None else checked(split_token_ids, token_ids, len(keys), self.layout.block_tokens)
         if checksums is not None and len(checksums) != len(keys):
             raise InvalidArgument(f"commit got {len(checksums)} checksums for {len(keys)} keys; pass one per key, or none")
         with self._lock:
@@ -163,15 +163,6 @@ class Writes:
         if batch:
             self.write(batch)
         return outcome
-
-    def _check_tokens(self, keys: list[bytes], tokens: list[tuple[int, ...]]) -> None:
-        per_block = self.layout.block_tokens
-        if len(tokens) != len(keys):
-            raise InvalidArgument(f"commit got token ids for {len(tokens)} blocks and {len(keys)} keys; pass one block of "
-                                  "token ids per key, or none")
-        for i, block in enumerate(tokens):
-            if len(block) != per_block:
-                raise InvalidArgument(f"block {i} has {len(block)} token ids; a page holds {per_block} tokens")
 
     def _commit(self, session: SessionId, lease_id: LeaseId, keys: list[bytes], parent: bytes | None,
                 tokens: list[tuple[int, ...]] | None,

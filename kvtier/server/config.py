@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from kvtier_client.event_media import DEFAULT_MEDIA
+from kvtier_client.integrations.daemon_settings import default_socket
 
 from kvtier.codecs import CODECS
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
@@ -453,11 +454,6 @@ BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 
 
 # -- loading --------------------------------------------------------------------
-def default_socket() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return os.path.join(runtime, "kvtier", "kvtier.sock")
-
-
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvtier")

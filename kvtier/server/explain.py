@@ -22,6 +22,9 @@ from kvtier.server.pools import Pool, PoolRegistry
 
 #: States in which a pool holds the block's bytes now.
 _HELD = (BlockState.CACHED, BlockState.BEYOND_PREFIX)
+#: How daemons before BLOCK_DROPPED named a drop (BLOCK_EVICTED by this "policy"): what a
+#: client that does not read BLOCK_DROPPED (ExplainRequest.reads_dropped) is still told.
+_DROPPED_AS_EVICTED = "a drop hint"
 
 
 class Explainer:
@@ -42,9 +45,11 @@ class Explainer:
         with self._lock:
             return sorted(self._hashings.get(namespace, ()))
 
-    def explain(self, namespace: str, keys: Sequence[bytes], asked: Pool | None) -> pb.ExplainResponse:
+    def explain(self, namespace: str, keys: Sequence[bytes], asked: Pool | None,
+                reads_dropped: bool) -> pb.ExplainResponse:
         """Explain `keys` in `asked`, or (None) in the pool that serves the longest prefix of
-        them (ties: the one that knows most of them)."""
+        them (ties: the one that knows most of them). Without `reads_dropped` (a client from
+        before BLOCK_DROPPED) a dropped block is told as BLOCK_EVICTED, as it used to be."""
         check_keys(list(keys))
         pools = self._pools.all_pools()
         answers = {pool.pool_id: pool.store.explain(namespace, list(keys)) for pool in pools}
@@ -54,7 +59,7 @@ class Explainer:
             reply.blocks.extend(pb.BlockExplanation(index=i, state=pb.BLOCK_NEVER_STORED) for i in range(len(keys)))
             return reply
         reply.hit_blocks = answers[primary].hit_blocks
-        reply.blocks.extend(_block(status, primary, answers) for status in answers[primary].blocks)
+        reply.blocks.extend(_block(status, primary, answers, reads_dropped) for status in answers[primary].blocks)
         return reply
 
 
@@ -67,7 +72,7 @@ def _best(answers: dict[str, Explanation]) -> str | None:
     return max(answers, key=score, default=None)
 
 
-def _block(status: BlockStatus, pool_id: str, answers: dict[str, Explanation]) -> pb.BlockExplanation:
+def _block(status: BlockStatus, pool_id: str, answers: dict[str, Explanation], reads_dropped: bool) -> pb.BlockExplanation:
     """One block's answer in `pool_id`; a block that pool never stored but another holds is
     BLOCK_OTHER_LAYOUT, about that other pool."""
     if status.state is BlockState.NEVER_STORED:
@@ -76,9 +81,12 @@ def _block(status: BlockStatus, pool_id: str, answers: dict[str, Explanation]) -
             if other_id != pool_id and held.state in _HELD:
                 return pb.BlockExplanation(index=status.index, state=pb.BLOCK_OTHER_LAYOUT,
                                            tier=tier_to_proto(held.tier), pool_id=other_id)
+    state, policy = BLOCK_STATES[status.state], status.policy
+    if status.state is BlockState.DROPPED and not reads_dropped:
+        state, policy = pb.BLOCK_EVICTED, _DROPPED_AS_EVICTED
     return pb.BlockExplanation(
-        index=status.index, state=BLOCK_STATES[status.state],
+        index=status.index, state=state,
         tier=tier_to_proto(status.tier) if status.tier is not None else pb.TIER_UNSPECIFIED,
-        seconds_ago=status.seconds_ago, policy=status.policy, pool_id=pool_id, own_pressure=status.own_pressure,
+        seconds_ago=status.seconds_ago, policy=policy, pool_id=pool_id, own_pressure=status.own_pressure,
         hint=status.hint,
     )

@@ -2,9 +2,10 @@
 the fast lane (kvtier.server.lane) decode their requests, call these, and encode the
 results. What a call checks (drain, session, wait policy, tier) and in which order lives
 here only, so the two transports cannot answer the same request differently; the rules
-themselves (token ids per block, the wait policy, the tiers pages are lent from) are
-kvtier_client.protocol's, the very functions the client checks a request with before
-sending it, their ValueErrors answered here as INVALID_ARGUMENT.
+themselves (the wait policy, the tiers pages are lent from, a prefetch's tier, priority and
+hold, a steer's fields) are kvtier_client.protocol's, the very functions the client checks
+a request with before sending it, applied through `protocol.checked` (INVALID_ARGUMENT).
+Token ids per block are checked by the core (the same protocol function), which keeps them.
 
 Each takes `session`, the transport's way to resolve the session the call names (gRPC:
 SessionManager.get with the call's credentials; the lane: SessionManager.still), called
@@ -15,12 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvtier_client import protocol
-from kvtier_client.errors import InvalidArgument
 from kvtier_client.ids import LeaseId
-from kvtier_client.protocol import Steer
+from kvtier_client.protocol import Steer, checked
 from kvtier_client.steering import Action, SteerResult
 from kvtier_client.tiers import Tier
 from kvtier_client.wire import tier_to_proto
@@ -30,36 +29,20 @@ from kvtier.server.drain import DrainGate
 from kvtier.server.pools import Pool
 from kvtier.server.sessions import Session, SessionManager
 
-T = TypeVar("T")
-
 
 def tier_of(value: int, pool: Pool) -> Tier:
     """A requested tier (proto numbering) as the tier pages are lent from in `pool`."""
-    return _checked(protocol.lent_tier, value, has_device=pool.device is not None)
+    return checked(protocol.lent_tier, value, has_device=pool.device is not None)
 
 
 def wait_timeout(wait: int, deadline_ms: int) -> float | None:
     """The wait policy as the core's timeout: None = all, 0 = none, t = deadline."""
-    return _checked(protocol.wait_timeout, wait, deadline_ms)
-
-
-def split_tokens(token_ids: Sequence[int], keys: int, block_tokens: int) -> list[tuple[int, ...]]:
-    """A commit's flat token ids as one tuple per key (what the store keeps on each block)."""
-    return _checked(protocol.split_token_ids, token_ids, keys, block_tokens)
+    return checked(protocol.wait_timeout, wait, deadline_ms)
 
 
 def steer_of(action: int, mode: int, ttl: float, priority: int, tier: int) -> Steer:
     """A Steer request's numbers (either transport) as the Steer they ask for."""
-    return _checked(protocol.read_steer, action, mode, ttl, priority, tier)
-
-
-def _checked(rule: Callable[..., T], *args, **kwargs) -> T:
-    """A shared rule (kvtier_client.protocol) applied to a request: what it refuses is
-    INVALID_ARGUMENT, with the rule's message, on either transport."""
-    try:
-        return rule(*args, **kwargs)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None
+    return checked(protocol.read_steer, action, mode, ttl, priority, tier)
 
 
 def grant_fields(grant: ReadGrant) -> dict[str, object]:
@@ -85,7 +68,7 @@ class HotOps:
     def lookup(self, session: Resolve, keys: list[bytes], known: int = 0) -> PrefixMatch:
         """`known`: leading keys the engine holds already (counted apart, not as hits)."""
         s = session()
-        return s.pool.store.lookup(s.namespace, keys, _checked(protocol.check_known, known, len(keys)))
+        return s.pool.store.lookup(s.namespace, keys, checked(protocol.check_known, known, len(keys)))
 
     def borrow(self, session: Resolve, count: int) -> WriteGrant:
         self.drain.check_open()
@@ -99,7 +82,7 @@ class HotOps:
         """`token_ids`: the blocks' token ids, flat (block_tokens per key), or none;
         `checksums`: each page's xxh3-64 as the client wrote it, or none."""
         s = session()
-        tokens = split_tokens(token_ids, len(keys), s.pool.layout.block_tokens) if len(token_ids) else None
+        tokens = token_ids if len(token_ids) else None  # checked and split per key by the core
         outcome = s.pool.store.commit(s.session_id, LeaseId(lease_id), keys, parent or None, tokens,
                                       list(checksums) if len(checksums) else None)
         self.drain.lease_ended()
@@ -134,8 +117,9 @@ class HotOps:
     def prefetch(self, session: Resolve, keys: list[bytes], tier: int, priority: int, hold: float = 0.0) -> int:
         self.drain.check_open()
         s = session()
+        into = checked(protocol.read_prefetch, tier, priority, hold)
         # Only schedules loads (the disk reads run on the pool's I/O workers): returns at once.
-        return s.pool.store.prefetch(s.session_id, s.namespace, keys, tier_of(tier, s.pool), priority, hold)
+        return s.pool.store.prefetch(s.session_id, s.namespace, keys, into, priority, hold)
 
     def steer(self, session: Resolve, steer: Steer, keys: list[bytes]) -> SteerResult:
         """A cache-control hint on `keys`, in the session's namespace and pool only. Pins and

@@ -314,13 +314,13 @@ class KVTierService(kvtier_pb2_grpc.KVTierServicer):
             s = self._session(request.session_id, context)
             if request.namespace not in ("", s.namespace) or request.pool_id not in ("", s.pool.pool_id):
                 raise InvalidArgument("with session_id, leave namespace and pool_id empty (the session names both)")
-            return self.explainer.explain(s.namespace, list(request.keys), s.pool)
+            return self.explainer.explain(s.namespace, list(request.keys), s.pool, request.reads_dropped)
         if not request.namespace:
             raise InvalidArgument("Explain needs session_id, or a namespace (with a token that grants it)")
         check_namespace(request.namespace)
         self.auth.authorize(request.namespace, context.invocation_metadata())
         pool = self.pools.get(request.pool_id) if request.pool_id else None
-        return self.explainer.explain(request.namespace, list(request.keys), pool)
+        return self.explainer.explain(request.namespace, list(request.keys), pool, request.reads_dropped)
 
     # -- slow path: page bytes over gRPC for clients on another host -------------
     def ReadPages(self, request, context) -> Iterator[pb.PageData]:

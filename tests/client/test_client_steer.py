@@ -11,7 +11,7 @@ import time
 import pytest
 from client_helpers import LAYOUT, tokens
 from kvtier_client import (
-    CapacityError, FailedPrecondition, InvalidArgument, KVTierClient, PinMode, Priority, SteerResult, Tier,
+    CapacityError, FailedPrecondition, KVTierClient, PinMode, Priority, SteerResult, Tier,
 )
 from kvtier_client.results import BlockReason
 
@@ -87,7 +87,7 @@ def test_every_action_over_either_transport(steer_daemon, lane):
         assert kv.drop(keys[3:] + [unknown]) == SteerResult(1, 1, 0, "")
         assert kv.lookup(keys).hit_blocks == 3
         gone = kv.explain(keys).blocks[3]
-        assert gone.reason is BlockReason.EVICTED and gone.policy == "a drop hint"
+        assert gone.reason is BlockReason.DROPPED and gone.policy == ""
 
         with pytest.raises(ValueError, match="ttl must be"):  # refused before sending
             kv.pin(keys, ttl=-1)
@@ -183,5 +183,5 @@ def test_a_prefetch_deadline_holds_a_prefix_in_host_through_a_flood(steer_daemon
             put(kv, 1000 + 20 * lane + seed, 4)
         assert kv.lookup(held).tiers == (Tier.HOST,) * 3
         assert Tier.HOST not in kv.lookup(plain).tiers
-        with pytest.raises(InvalidArgument, match="hold"):
+        with pytest.raises(ValueError, match="hold"):  # refused before sending
             kv.prefetch(held, hold=601)

@@ -12,6 +12,7 @@ import pytest
 from kvtier_client import Tier, Wait, frames, protocol
 from kvtier_client.errors import InvalidArgument
 from kvtier_client.proto.v1 import kvtier_pb2 as pb
+from kvtier_client.wire import tier_to_proto
 
 
 # -- token ids per block -----------------------------------------------------------------
@@ -87,11 +88,70 @@ def test_pages_are_lent_from_host_or_device():
     assert protocol.lent_tier(pb.TIER_DEVICE, has_device=True) is Tier.DEVICE
     with pytest.raises(ValueError, match="no device tier .*; use TIER_HOST"):
         protocol.lent_tier(pb.TIER_DEVICE, has_device=False)
-    with pytest.raises(ValueError, match="not tier 3"):
-        protocol.lent_tier(pb.TIER_DISK, has_device=True)
-    protocol.check_lent_tier(Tier.DEVICE)
-    with pytest.raises(ValueError, match="pages are lent from host or device, not disk"):
-        protocol.check_lent_tier(Tier.DISK)
+    protocol.check_lent_tier(Tier.DEVICE)  # the client cannot know: the daemon says
+    with pytest.raises(ValueError, match="tier 9 is no kvtier.v1.Tier"):
+        protocol.lent_tier(9, has_device=True)
+
+
+def said(rule, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as refused:
+        rule(*args, **kwargs)
+    assert not isinstance(refused.value, InvalidArgument)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("tier", [Tier.DISK, Tier.CLUSTER])
+def test_the_client_and_the_daemon_refuse_a_tier_pages_are_not_lent_from_alike(tier):
+    message = said(protocol.check_lent_tier, tier)
+    assert message == f"pages are lent from host or device, not {tier.label}"
+    assert said(protocol.lent_tier, tier_to_proto(tier), has_device=True) == message
+
+
+# -- prefetch ----------------------------------------------------------------------------
+def test_a_prefetch_loads_into_host_only():
+    assert protocol.PREFETCH_TIERS == (Tier.HOST,)
+    assert protocol.read_prefetch(pb.TIER_UNSPECIFIED, 0, 0.0) is Tier.HOST
+    assert protocol.read_prefetch(pb.TIER_HOST, -(2**31), protocol.MAX_PREFETCH_HOLD) is Tier.HOST
+    protocol.check_prefetch(Tier.HOST, np.int64(5), np.float64(1.5))  # numpy numbers as engines hold them
+
+
+@pytest.mark.parametrize(("tier", "priority", "hold", "says"), [
+    (Tier.DEVICE, 0, 0.0, "prefetch loads pages into host, not device; an acquire into device promotes them from there"),
+    (Tier.DISK, 0, 0.0, "prefetch loads pages into host, not disk"),
+    (Tier.HOST, 2**31, 0.0, "a prefetch's priority is an integer from -2**31 to 2**31 - 1, got 2147483648"),
+    (Tier.HOST, 1.5, 0.0, "a prefetch's priority is an integer"),
+    (Tier.HOST, 0, 601.0, "a prefetch's hold (its deadline) must be 0 (the daemon's prefetch_hold) to 600 seconds, got 601.0"),
+    (Tier.HOST, 0, -1.0, "a prefetch's hold (its deadline) must be 0"),
+    (Tier.HOST, 0, math.nan, "a prefetch's hold (its deadline) must be 0"),
+], ids=["device", "disk", "priority past int32", "priority not int", "hold too long", "hold negative", "hold nan"])
+def test_the_client_and_the_daemon_refuse_a_prefetch_alike(tier, priority, hold, says):
+    message = said(protocol.check_prefetch, tier, priority, hold)
+    assert message.startswith(says)
+    if isinstance(priority, int) and protocol.MIN_PREFETCH_PRIORITY <= priority <= protocol.MAX_PREFETCH_PRIORITY:
+        # what a request can carry (an int32)
+        assert said(protocol.read_prefetch, tier_to_proto(tier), priority, hold) == message
+
+
+# -- cache control -----------------------------------------------------------------------
+def test_a_steer_ttl_and_demote_tier_are_refused_alike_on_both_sides():
+    for ttl in (-1.0, math.inf, math.nan, 8 * 24 * 3600.0):
+        message = said(protocol.check_ttl, ttl)
+        assert message.startswith("ttl must be 0 (until the session ends) to 604800 seconds")
+        assert said(protocol.read_steer, pb.STEER_ACTION_PIN, pb.PIN_MODE_SOFT, ttl, 0, 0) == message
+        assert said(protocol.Steer(protocol.Action.PIN, ttl=ttl).wire) == message
+    for tier in (Tier.DEVICE, Tier.CLUSTER):
+        message = said(protocol.check_demote_tier, tier)
+        assert message == f"demote moves pages down to host or disk (TIER_HOST, TIER_DISK), not {tier.label}"
+        assert said(protocol.read_steer, pb.STEER_ACTION_DEMOTE, 0, 0.0, 0, tier_to_proto(tier)) == message
+        assert said(protocol.Steer(protocol.Action.DEMOTE, tier=tier).wire) == message
+    assert protocol.read_steer(pb.STEER_ACTION_DEMOTE, 0, 0.0, 0, pb.TIER_UNSPECIFIED).tier is Tier.DISK
+
+
+def test_the_daemon_answers_a_refusal_as_invalid_argument_with_the_rules_message():
+    with pytest.raises(InvalidArgument) as refused:
+        protocol.checked(protocol.check_prefetch, Tier.DEVICE, 0, 0.0)
+    assert str(refused.value) == said(protocol.check_prefetch, Tier.DEVICE, 0, 0.0)
+    assert protocol.checked(protocol.read_prefetch, pb.TIER_HOST, 0, 0.0) is Tier.HOST
 
 
 # -- grants and sizes --------------------------------------------------------------------

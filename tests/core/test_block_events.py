@@ -53,7 +53,7 @@ def told(events: PoolEvents) -> list[tuple]:
 
 def put(s: BlockStore, *keys: bytes, parent: bytes | None = None, with_tokens: bool = True) -> None:
     lease = s.borrow(S, NS, len(keys))
-    s.commit(S, lease.lease_id, list(keys), parent, [tokens(k[0]) for k in keys] if with_tokens else None)
+    s.commit(S, lease.lease_id, list(keys), parent, [t for k in keys for t in tokens(k[0])] if with_tokens else None)
 
 
 def test_commit_tells_each_new_block_with_its_parent_and_tokens():
@@ -69,10 +69,11 @@ def test_commit_tells_each_new_block_with_its_parent_and_tokens():
 def test_bad_token_ids_are_refused_and_tell_nothing():
     s, events = store()
     lease = s.borrow(S, NS, 2)
-    with pytest.raises(InvalidArgument, match="token ids for 1 blocks and 2 keys"):
-        s.commit(S, lease.lease_id, [b"a", b"b"], None, [tokens(0)])
-    with pytest.raises(InvalidArgument, match="a page holds 4 tokens"):
-        s.commit(S, lease.lease_id, [b"a", b"b"], None, [tokens(0), (1, 2)])
+    # The rule the client checks with before sending (kvtier_client.protocol.check_token_ids).
+    with pytest.raises(InvalidArgument, match="commit got 4 token ids for 2 keys; pass 4 per key"):
+        s.commit(S, lease.lease_id, [b"a", b"b"], None, tokens(0))
+    with pytest.raises(InvalidArgument, match="token ids are integers from 0 to 2"):
+        s.commit(S, lease.lease_id, [b"a", b"b"], None, [*tokens(0), -1, 1, 2, 3])
     assert told(events) == []
 
 

@@ -55,7 +55,7 @@ def test_every_key_after_the_prefix_is_counted_by_reason():
     put(s, b"d")  # a (the oldest) is evicted
     result = s.lookup(NS, [b"a", b"b", b"c", b"x", b"d"])
     assert result.hit_blocks == 0
-    assert misses(s) == {"never_stored": 1, "evicted": 1, "corrupt": 0, "beyond_prefix": 3}
+    assert misses(s) == {"never_stored": 1, "evicted": 1, "corrupt": 0, "beyond_prefix": 3, "dropped": 0}
     assert set(misses(s)) == {r.value for r in MissReason}
     usage = s.stats().namespace(NS)
     assert (usage.lookup_blocks, usage.miss_blocks) == (5, 5)
@@ -178,6 +178,19 @@ def test_an_entry_costs_about_what_stats_estimate():
     assert 0.7 * ENTRY_BYTES < per_entry < 1.3 * ENTRY_BYTES, per_entry
     departure = history.departure(NS, (19_999).to_bytes(16, "big"))
     assert (departure.reason, departure.tier, departure.policy) == (MissReason.EVICTED, Tier.HOST, "lru")
+
+
+def test_every_reason_and_field_of_a_departure_comes_back_as_recorded():
+    """An entry is one packed int: each reason (DROPPED is the fifth: 3 bits), tier, policy
+    and pressure must read back unchanged."""
+    history = MissHistory(size=64)
+    when = time.monotonic()
+    for i, (reason, tier) in enumerate((r, t) for r in MissReason for t in Tier):
+        history.record((NS, bytes([i + 1])), reason, tier, when, f"policy-{i % 3}", bool(i % 2))
+    for i, (reason, tier) in enumerate((r, t) for r in MissReason for t in Tier):
+        gone = history.departure(NS, bytes([i + 1]))
+        assert (gone.reason, gone.tier, gone.policy, gone.own_pressure) == (reason, tier, f"policy-{i % 3}", bool(i % 2))
+        assert abs(gone.when - when) < 1e-5 and history.reason((NS, bytes([i + 1]))) is reason
 
 
 def test_a_negative_history_size_is_refused():

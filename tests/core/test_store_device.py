@@ -110,9 +110,9 @@ def test_device_leases_end_with_their_session():
 def test_device_requests_on_a_daemon_without_a_device_say_so():
     s = store(device=0)
     put(s, b"a")
-    with pytest.raises(InvalidArgument, match="lends host pages"):
+    with pytest.raises(InvalidArgument, match="this daemon has no device tier"):
         s.acquire(S, NS, [b"a"], Tier.DEVICE)
-    with pytest.raises(InvalidArgument, match="prefetch into device"):
+    with pytest.raises(InvalidArgument, match="prefetch loads pages into host, not device"):
         store().prefetch(S, NS, [b"a"], Tier.DEVICE)
 
 

@@ -12,9 +12,8 @@ from kvtier_client.errors import CapacityError, FailedPrecondition, InvalidArgum
 from kvtier_client.steering import PinMode, Priority
 from kvtier_client.tiers import Tier
 
-from kvtier.core import BlockStore, Quota
+from kvtier.core import BlockState, BlockStore, MissReason, Quota
 from kvtier.core.bookkeeping import bookkeeping_ports
-from kvtier.core.control import DROP_HINT
 from kvtier.core.invariants import check_invariants
 from kvtier.policy import FrecencyPolicy, LRUPolicy
 from kvtier.policy.classes import Rank
@@ -125,7 +124,7 @@ def test_demote_moves_host_pages_to_disk_and_skips_leased_and_hard_pinned_ones()
         store(host=2).control.demote("A", [b"a"])
 
 
-def test_drop_forgets_every_copy_and_stats_why_says_a_hint_did_it():
+def test_drop_forgets_every_copy_and_stats_why_says_a_drop_did_it():
     s = store(host=2, disk=8)
     put(s, "A", b"a", b"b")
     s.control.pin(S, "A", [b"a"], SOFT, 60)
@@ -135,7 +134,9 @@ def test_drop_forgets_every_copy_and_stats_why_says_a_hint_did_it():
     assert (result.applied, result.skipped) == (2, 1)
     assert (("A", b"a") not in s.blocks and ("A", b"b") not in s.blocks and not s.control.hints.hints)
     why = s.explain("A", [b"a"]).blocks[0]
-    assert why.policy == DROP_HINT
+    assert (why.state, why.policy) == (BlockState.DROPPED, "")  # a reason of its own, not an eviction
+    s.lookup("A", [b"a", b"b"])
+    assert s.stats().namespace("A").misses[MissReason.DROPPED.value] == 2
     s.release(S, grant.lease_id)
     check_invariants(s)
 

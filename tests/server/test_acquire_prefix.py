@@ -107,7 +107,7 @@ def test_the_wait_policies_answer_alike(session, lane):
 @pytest.mark.parametrize(("fields", "says"), [
     ({"wait": pb.WAIT_DEADLINE, "deadline_ms": 0}, "WAIT_DEADLINE needs deadline_ms > 0"),
     ({"wait": 9}, "unknown wait policy 9; use WAIT_NONE, WAIT_ALL or WAIT_DEADLINE"),
-    ({"tier": pb.TIER_DISK}, "not tier 3"),
+    ({"tier": pb.TIER_DISK}, "pages are lent from host or device, not disk"),
     ({"tier": pb.TIER_DEVICE}, "use TIER_HOST"),  # no GPU here
 ], ids=["deadline without deadline_ms", "unknown wait", "disk tier", "no device tier"])
 def test_a_refused_request_gets_the_same_code_and_message(session, lane, fields, says):

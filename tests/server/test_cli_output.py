@@ -3,6 +3,7 @@ with no control codes into a pipe, `--help` with metavars, defaults, variables a
 and `--version`. Against a real daemon (tests/daemon.py) where a command needs one."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -321,3 +322,24 @@ def test_a_bench_without_the_benchmarks_exits_2_with_one_line():
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == [f"kvtier bench: the benchmarks are not installed; {BENCH_INSTALL}"]
     assert "pip install -e ./benchmarks" in BENCH_INSTALL
+
+
+#: What `kvtier stats` may load of kvtier: the CLI, the admin commands and their units.
+STATS_LOADS = {"kvtier", "kvtier.cli", "kvtier.admin", "kvtier.units"}
+#: Libraries only the daemon needs (the cluster tier, events, the disk's index, tensors).
+DAEMON_ONLY = ("redis", "zmq", "lmdb", "torch", "cupy")
+
+
+def test_kvtier_stats_loads_the_client_side_only(daemon):
+    """`kvtier stats` against a daemon imports no module of the daemon's core, policies,
+    mechanism or server, nor what only they need: an admin command is light, and a rule it
+    reads (a miss reason, a tier) comes from the client package both sides share."""
+    probe = ("import sys\nfrom kvtier.cli import main\n"
+             f"main(['stats', '--target', {daemon.target!r}], standalone_mode=False)\n"
+             "print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **PIPE})
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.rsplit("MODULES ", 1)[1].split()
+    assert {m for m in loaded if m == "kvtier" or m.startswith("kvtier.")} == STATS_LOADS
+    assert [m for m in loaded if m.split(".")[0] in DAEMON_ONLY] == []

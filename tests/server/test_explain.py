@@ -123,7 +123,7 @@ def test_explain_counts_nothing_and_lookup_counts_reasons(history):
     after = usage()
     assert after.lookup_blocks - before.lookup_blocks == 7
     moved = {reason: after.misses[reason] - before.misses[reason] for reason in after.misses}
-    assert moved == {"never_stored": 2, "evicted": 1, "corrupt": 1, "beyond_prefix": 1}  # K[6]: never in this pool
+    assert moved == {"never_stored": 2, "evicted": 1, "corrupt": 1, "beyond_prefix": 1, "dropped": 0}  # K[6]: never in this pool
     _, families = scrape(port)
     for reason, count in after.misses.items():
         if count:

@@ -61,7 +61,7 @@ def test_quotas_without_tokens_for_auth_none(tmp_path):
     ("namespaces = 3\n", "namespaces holds one table per namespace"),
     ("[namespaces]\na = 3\n", 'namespaces."a"] must be a table of page counts'),
     ("[quotas.a]\nmax_host_pages = 1\n", "unknown table or key 'quotas'"),
-    ('[namespaces.a]\ncodec = "fp9"\n', "unknown codec 'fp9'; use identity, zstd, k16v8, fp8, int4"),
+    ('[namespaces.a]\ncodec = "fp9"\n', "unknown codec 'fp9'; known: identity, zstd, k16v8, fp8, int4"),
 ])
 def test_bad_quotas_are_refused_with_the_file_and_key(tmp_path, body, message):
     path = tmp_path / "t.toml"

@@ -53,7 +53,7 @@ def steer(session, ks: list[bytes], **fields) -> pb.SteerResponse:
     ({"action": pb.STEER_ACTION_PIN, "ttl_seconds": 8 * 24 * 3600}, "ttl must be"),
     ({"action": pb.STEER_ACTION_PIN, "pin_mode": 7}, "unknown pin mode 7"),
     ({"action": pb.STEER_ACTION_RETAIN}, "a retain names its priority"),
-    ({"action": pb.STEER_ACTION_DEMOTE, "tier": pb.TIER_CLUSTER}, "not tier 4"),
+    ({"action": pb.STEER_ACTION_DEMOTE, "tier": pb.TIER_CLUSTER}, "not cluster"),
 ])
 def test_a_malformed_steer_is_refused_over_grpc_changing_nothing(session, fields, says):
     cached = keys("refused", 2)
@@ -133,7 +133,7 @@ def test_cache_commands_show_in_stats_why_and_metrics(daemon, session):
     dropped = kvtier(daemon, "cache", "drop", "--namespace", NS, hexes[0])
     assert "1 applied, 0 not cached here, 0 skipped" in dropped
     why = kvtier(daemon, "stats", "why", "--namespace", NS, hexes[0])
-    assert "dropped from host" in why and "s ago by a drop hint" in why, why
+    assert "dropped from host" in why and "s ago by a client's drop" in why, why
     assert value(scrape(daemon.metrics_port)[1], "kvtier_steer_blocks_total", action="drop", result="applied") == before + 1
 
     demoted = json.loads(kvtier(daemon, "cache", "demote", "--namespace", NS, "--json", *hexes[1:]))

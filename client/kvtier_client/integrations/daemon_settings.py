@@ -1,18 +1,22 @@
-"""What every engine integration reads the same way to reach the daemon: its default target
-(where `kvtier serve` listens) and a token given inline or in a file."""
+"""What every engine integration (and the `kvtier` commands) reads the same way to reach the
+daemon: its default socket and target (where `kvtier serve` listens) and a token given
+inline or in a file."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 
-def default_target() -> str:
-    """$KVTIER_TARGET, else the daemon's default socket (what `kvtier serve` listens on)."""
-    env = os.environ.get("KVTIER_TARGET")
-    if env:
-        return env
+def default_socket() -> str:
+    """Where `kvtier serve` listens unless told otherwise (its `socket` setting), and where
+    the `kvtier` commands look for it: $XDG_RUNTIME_DIR/kvtier/kvtier.sock."""
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
+    return os.path.join(runtime, "kvtier", "kvtier.sock")
+
+
+def default_target() -> str:
+    """$KVTIER_TARGET, else the daemon's default socket."""
+    return os.environ.get("KVTIER_TARGET") or f"unix://{default_socket()}"
 
 
 def resolve_token(token: str | None, token_file: str | None, who: str) -> str | None:

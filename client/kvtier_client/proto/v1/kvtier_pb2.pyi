@@ -61,6 +61,7 @@ class BlockState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_CORRUPT: _ClassVar[BlockState]
     BLOCK_OTHER_LAYOUT: _ClassVar[BlockState]
     BLOCK_BEYOND_PREFIX: _ClassVar[BlockState]
+    BLOCK_DROPPED: _ClassVar[BlockState]
 
 class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -101,6 +102,7 @@ BLOCK_EVICTED: BlockState
 BLOCK_CORRUPT: BlockState
 BLOCK_OTHER_LAYOUT: BlockState
 BLOCK_BEYOND_PREFIX: BlockState
+BLOCK_DROPPED: BlockState
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_STORED: KVEventKind
 KV_EVENT_REMOVED: KVEventKind
@@ -580,16 +582,18 @@ class StatsResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[int] = ..., max_namespaces: _Optional[int] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "keys", "pool_id")
+    __slots__ = ("session_id", "namespace", "keys", "pool_id", "reads_dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    READS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pool_id: str
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    reads_dropped: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool_id: _Optional[str] = ..., reads_dropped: _Optional[bool] = ...) -> None: ...
 
 class BlockExplanation(_message.Message):
     __slots__ = ("index", "state", "tier", "seconds_ago", "policy", "pool_id", "own_pressure", "hint")
