@@ -262,7 +262,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert status.tier == min(block.copies)
             elif status.state is not BlockState.NEVER_STORED:
                 assert ref in self.content and status.seconds_ago >= 0
-                assert status.state is BlockState.EVICTED or ref in corrupted
+                assert status.state in (BlockState.EVICTED, BlockState.DROPPED) or ref in corrupted
                 event(f"lookup: {status.state.value}")
 
     def misses(self, namespace: str) -> dict[str, int]:
