@@ -36,13 +36,16 @@ def free_port() -> int:
 
 
 def kv_transfer_config(target: str, namespace: str) -> dict:
-    """The --kv-transfer-config of docs/integrations.md ("Configure"), for a daemon at `target`."""
+    """The --kv-transfer-config of docs/integrations.md ("Configure"), for a daemon at `target`,
+    with the planner off: the tiny test model prefills a block in about a millisecond, so the
+    planner may rightly choose to recompute what kvtier holds, and a test could not tell a
+    load that should have happened from one that was declined."""
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier_client.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"target": target, "namespace": namespace},
+        "kv_connector_extra_config": {"target": target, "namespace": namespace, "planner": False},
     }
 
 
