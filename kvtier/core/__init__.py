@@ -14,7 +14,8 @@ from kvtier.core.results import (
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.store import BlockStore
-from kvtier.core.writes import ClusterWrite, clean_reserve
+from kvtier.core.cluster import ClusterWrite
+from kvtier.core.disk_writes import clean_reserve
 
 __all__ = [
     "ClusterWrite",

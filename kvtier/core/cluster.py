@@ -15,23 +15,35 @@ Hits found here are reported as CLUSTER by lookups. Everything but `present`, `w
 """
 from __future__ import annotations
 
+import enum
 import threading
 
 from kvtier_client.errors import CapacityError
 from kvtier_client.ids import SessionId
 from kvtier_client.tiers import Tier
 
-from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex
 from kvtier.core.loads import Loads
 from kvtier.core.ports import LoadKind, RemotePort
 
 
+class ClusterWrite(str, enum.Enum):
+    """When pages are copied to the cluster tier: each page at its commit (every page, as
+    soon as another node could want it), when it is demoted from host to disk (only pages
+    that lived long enough to leave host, so what the node is about to forget), or never
+    (the node only reads the cluster)."""
+
+    COMMIT = "commit"
+    DEMOTE = "demote"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class ClusterCopies:
-    def __init__(self, index: BlockIndex, capacity: Capacity, loads: Loads, remote: RemotePort,
-                 lock: threading.RLock) -> None:
+    def __init__(self, index: BlockIndex, loads: Loads, remote: RemotePort, lock: threading.RLock) -> None:
         self.index = index
-        self.capacity = capacity
         self.loads = loads
         self.remote = remote
         self._lock = lock

@@ -31,7 +31,8 @@ from kvtier_client.results import MissReason
 from kvtier_client.steering import PinMode, PinUsage, Priority, SteerResult
 from kvtier_client.tiers import Tier
 
-from kvtier.core.capacity import Capacity, WriteOut
+from kvtier.core.capacity import Capacity
+from kvtier.core.disk_writes import DiskWrites
 from kvtier.core.hints import Hint, HintTable
 from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
 from kvtier.core.pin_loads import PinLoads
@@ -41,13 +42,14 @@ _RANK_OF_PRIORITY = {Priority.COLD: Rank.COLD, Priority.HIGH: Rank.HIGH}
 
 
 class CacheControl:
-    def __init__(self, index: BlockIndex, capacity: Capacity, lock: threading.RLock,
+    def __init__(self, index: BlockIndex, capacity: Capacity, disk_writes: DiskWrites, lock: threading.RLock,
                  run: Callable[[Callable], object], prefetch: Callable[..., int]) -> None:
         """`run`: the store's request loop (kvtier.core.writes.Writes.run); `prefetch`: the
         store's prefetch, to bring hard-pinned blocks into host."""
         self.index = index
         self.hints: HintTable = index.hints
         self.capacity = capacity
+        self.disk_writes = disk_writes
         self._lock = lock
         self._run = run
         #: Hard-pinned blocks on their way into host (kvtier.core.pin_loads).
@@ -99,8 +101,7 @@ class CacheControl:
     def _check_hard(self, namespace: str, refs: list) -> None:
         """Refuse, changing nothing, a hard pin that would take the namespace past its
         guaranteed host pages."""
-        quota = self.capacity.quotas.get(namespace)
-        limit = quota.guaranteed_pages(Tier.HOST) if quota else 0
+        limit = self.capacity.quotas.of(namespace).guaranteed_pages(Tier.HOST)
         new = sum(1 for ref in refs if self.hints.rank(ref) is not Rank.HARD_PIN)
         pinned = self.hints.hard_pins(namespace)
         if pinned + new > limit:
@@ -119,7 +120,7 @@ class CacheControl:
         guarantee become soft pins (evicted last, no longer never). Returns how many."""
         table, quotas, changed = self.hints, self.capacity.quotas, 0
         for namespace in [ns for ns in table.by_namespace if table.hard_pins(ns)]:
-            limit = quotas[namespace].guaranteed_pages(Tier.HOST) if namespace in quotas else 0
+            limit = quotas.of(namespace).guaranteed_pages(Tier.HOST)
             excess = table.hard_pins(namespace) - limit
             for ref in [r for r, h in table.hints.items() if r[0] == namespace and h.rank is Rank.HARD_PIN][:max(0, excess)]:
                 table.set(ref, replace(table.hints[ref], rank=Rank.SOFT_PIN))
@@ -178,11 +179,11 @@ class CacheControl:
             self.hints.expire()
             counts = self.hints.by_namespace.get(namespace, {})
             ends = [h.expires for ref, h in self.hints.hints.items() if ref[0] == namespace and h.expires]
-            quota = self.capacity.quotas.get(namespace)
+            quota = self.capacity.quotas.of(namespace)
             held = self.pins.count(namespace)
             return PinUsage(counts.get(Rank.HARD_PIN, 0), counts.get(Rank.SOFT_PIN, 0), counts.get(Rank.HIGH, 0),
                             counts.get(Rank.COLD, 0), max(0.0, min(ends) - self.hints.clock()) if ends else 0.0,
-                            quota.guaranteed_pages(Tier.HOST) if quota else 0,
+                            quota.guaranteed_pages(Tier.HOST),
                             hard_in_host=held.in_host, hard_loading=held.loading, hard_waiting=held.waiting)
 
     # -- moves ------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class CacheControl:
         moved = [b for b in movable if not any(t in b.copies for t in above)]
         if tier is Tier.DISK:
             on_host = [b for b in movable if Tier.HOST in b.copies]
-            self._write_first(on_host)
+            self.disk_writes.write_out_first(on_host, admitted_only=False)  # the client asked for disk
             going = [b for b in on_host if Tier.DISK in b.copies]
             if going:
                 capacity.evict(Tier.HOST, going, namespace)
@@ -223,20 +224,6 @@ class CacheControl:
                  f"{len(movable) - len(moved)} not written to disk (full or failed)" if len(moved) < len(movable) else ""]
         return SteerResult(len(moved), len(set(keys)) - len(refs), len(refs) - len(moved),
                            "; ".join(n for n in notes if n))
-
-    def _write_first(self, blocks: list[Block]) -> None:
-        """Raise WriteOut for host pages that need a disk copy before they leave host (once
-        per request: a page that failed or found no room stays in host)."""
-        saved = [b for b in blocks if b.copies[Tier.HOST].saved]
-        if saved:
-            raise WriteOut(None, saved)
-        tried = self.capacity.tried
-        dirty = [b for b in blocks if Tier.DISK not in b.copies and b.ref not in tried]
-        if dirty:
-            tried.update(b.ref for b in dirty)
-            batch = self.capacity.prepare(dirty)
-            if batch:
-                raise WriteOut(batch)
 
     def drop(self, namespace: str, keys: list[bytes]) -> SteerResult:
         """Forget the cached blocks of `keys` on this node, every tier (a block in use is skipped)."""

@@ -159,7 +159,7 @@ def _check_hints(store: BlockStore) -> None:
     _require(sessions == {ref for ref, h in table.hints.items() if h.session is not None}, "session hints are not the table's")
     quotas = store.control.capacity.quotas
     for namespace in table.by_namespace:
-        limit = quotas.get(namespace).guaranteed_pages(Tier.HOST) if namespace in quotas else 0
+        limit = quotas.of(namespace).guaranteed_pages(Tier.HOST)
         pinned = table.hard_pins(namespace)
         _require(pinned <= limit, f"namespace {namespace!r} hard-pins {pinned} blocks, past its {limit} guaranteed host pages")
 

@@ -21,7 +21,7 @@ every port call is routed by the job's source (`Mechanism.source`).
 
 Every call but the two `finish_*` callbacks runs with the store's lock held; those take it.
 The `loaded` condition (on that same lock) is notified whenever a load, a promotion or a
-disk write ends. `start` and `start_new` may raise WriteOut (kvtier.core.capacity) like
+disk write ends. `start` and `start_new` may raise WriteOut (kvtier.core.disk_writes) like
 CapacityError, with nothing of their own left behind: the store writes the pages and starts
 again.
 """
@@ -39,10 +39,11 @@ from kvtier_client.tiers import Tier
 from kvtier.core.capacity import Capacity
 from kvtier.core.index import Block, BlockIndex, Copy
 from kvtier.core.ports import LoadJob, LoadKind, Mechanism, PageRecord, Transfer
+from kvtier.core.rounds import Rounds
 
 
 class Loads:
-    def __init__(self, index: BlockIndex, capacity: Capacity, ports: Mechanism, layout: PageLayout,
+    def __init__(self, index: BlockIndex, capacity: Capacity, rounds: Rounds, ports: Mechanism, layout: PageLayout,
                  lock: threading.RLock, prefetch_hold: float) -> None:
         self.index = index
         self.capacity = capacity
@@ -50,7 +51,9 @@ class Loads:
         self.page_bytes = layout.page_bytes
         self.prefetch_hold = prefetch_hold
         self._lock = lock
-        self.loaded = threading.Condition(lock)
+        self.rounds = rounds
+        #: Notified as loads end (and disk writes and deletions: one condition for every waiter).
+        self.loaded = rounds.changed
 
     # -- into host ------------------------------------------------------------
     def start(self, session: SessionId, namespace: str, blocks: list[Block], tier: Tier, kind: LoadKind,
@@ -154,9 +157,8 @@ class Loads:
         deleted, and a page the reader did not verify is hashed, after the lock is
         released. (The ports call this from their I/O threads; the bookkeeping ports, which
         move no bytes, call it at once, inside the request that started the load.)"""
-        with self._lock:
+        with self.rounds.held():
             index = self.index
-            staged: list[PageRecord] = []
             block = self._end(job)
             from_disk = job.source is Tier.DISK
             if ok:
@@ -169,25 +171,13 @@ class Loads:
                 entry = block.entry(Tier.HOST)
                 if job.record.length:  # the reader verified the page against this checksum: not hashed again
                     entry = replace(entry, length=job.record.length, checksum=job.record.checksum)
-                staged = self.ports.host.stage([entry])
+                self.rounds.staged += self.ports.host.stage([entry])
             else:
                 self._fail(block)
                 if from_disk:  # the disk's bytes are bad: that copy goes too
                     self.capacity.drop([block], Tier.DISK)
                     index.corrupted(block)
             self.loaded.notify_all()
-            forgets = self.capacity.take_forgets()
-        self.forget(forgets)
-        self.ports.host.publish(staged)
-
-    def forget(self, records: list[PageRecord]) -> None:
-        """Delete disk index entries taken from `capacity` (the lock released): the disk port
-        deletes them, then they stop counting as in flight (Capacity.forgetting)."""
-        if records:
-            self.ports.disk.forget(records)
-            with self._lock:
-                self.capacity.forgotten(records)
-                self.loaded.notify_all()  # for `wait_saved`
 
     def wait_ready(self, blocks: list[Block], timeout: float | None) -> int:
         """Wait (releasing the lock) until every host copy of `blocks` is loaded or failed,

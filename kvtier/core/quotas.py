@@ -6,9 +6,10 @@ namespaces may never take from it.
                 prefetch, its copies to disk)
     guaranteed  another namespace's request never evicts it below this
 
-Only host and disk have quotas; device pages are counted, not limited. The rules are
-applied by kvtier.core.capacity; `VictimPicker` is the one place that keeps a guarantee
-while the policy chooses.
+Only host and disk have quotas; device pages are counted, not limited. `QuotaBook` holds
+the quotas in force and their arithmetic over the index's counts; kvtier.core.capacity
+applies them when it makes room, and `VictimPicker` is the one place that keeps a
+guarantee while the policy chooses.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from kvtier_client.tiers import Tier
 
+from kvtier.core.index import Block, BlockIndex
 from kvtier.policy import EvictionPolicy, Ref
 
 
@@ -62,6 +64,59 @@ def check_quotas(quotas: Mapping[str, Quota], capacities: Mapping[Tier, int]) ->
             raise ValueError(
                 f"guaranteed {tier.label} pages add up to {total}, more than the tier's {capacity} pages"
             )
+
+
+class QuotaBook:
+    """The quotas in force (`set` replaces them; a namespace missing has none) and what they
+    say about the index's counts now. Without quotas the namespace decides nothing."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self.quotas: dict[str, Quota] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.quotas)
+
+    def set(self, quotas: Mapping[str, Quota]) -> None:
+        self.quotas = {ns: quota for ns, quota in quotas.items() if quota != NO_QUOTA}
+
+    def of(self, namespace: str) -> Quota:
+        return self.quotas.get(namespace, NO_QUOTA)
+
+    def usage(self, namespace: str, tier: Tier) -> int:
+        counters = self.index.namespaces.get(namespace)
+        return counters.pages[tier] if counters else 0
+
+    def spare(self, tier: Tier, namespace: str) -> dict[str, int]:
+        """How far above its guarantee in `tier` every other namespace with one is."""
+        return {
+            ns: self.usage(ns, tier) - quota.guaranteed_pages(tier)
+            for ns, quota in self.quotas.items()
+            if ns != namespace and quota.guaranteed_pages(tier)
+        }
+
+    def over(self, tier: Tier, namespace: str, n: int) -> int:
+        """How many of its own pages `namespace` must give up in `tier` before n more fit its
+        quota (<= 0: none)."""
+        limit = self.of(namespace).max_pages(tier)
+        return self.usage(namespace, tier) + n - limit if limit else 0
+
+    def full_message(self, tier: Tier, n: int, namespace: str) -> str:
+        return (
+            f"namespace {namespace!r} is at its {tier.label} quota of {self.of(namespace).max_pages(tier)} pages: "
+            f"{self.usage(namespace, tier)} in use, {n} more needed, too few of its own evictable; "
+            "release its leases or raise its quota"
+        )
+
+    def by_namespace(self, blocks: list[Block]) -> list[tuple[str, list[Block]]]:
+        """`blocks` in one batch per namespace, as quotas are kept per namespace; without
+        quotas in one batch (the namespace decides nothing then)."""
+        if not self.quotas:
+            return [(blocks[0].ref[0], blocks)] if blocks else []
+        groups: dict[str, list[Block]] = {}
+        for b in blocks:
+            groups.setdefault(b.ref[0], []).append(b)
+        return list(groups.items())
 
 
 class VictimPicker:

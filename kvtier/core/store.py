@@ -10,18 +10,22 @@ and the three counts add up to the tier's capacity (kvtier.core.invariants check
 
 This module is the façade: it validates a request, and hands it to the room that does it:
 
-    writes.py    borrow, commit, disk writes (prepare, store, file), write-back, the stop
-                 copy, and `run`: the loop every request runs in, writing pages to disk
-                 outside the lock when an eviction needs them first
+    writes.py    borrow, commit, and `run`: the loop every request runs in, writing pages
+                 to disk outside the lock when they must reach it before leaving host
+    rounds.py    a request's turn under the lock, and the one hand-over after it
+    disk_writes.py  every disk write (prepare, store, file), the write-out before host
+                 pages leave host, write-back, the stop copy
     reads.py     lookup, explain, acquire (the ready prefix, lent), acquire-prefix, prefetch; a
                  group lookup's reads and counts (groups.py decides over several stores)
     cluster.py   the cluster tier: what it holds, loads from it, copies to it
-    loads.py     disk -> host loads, host -> device promotions, waiting for them
-    control.py   clients' hints: pin, retain, demote, drop (`store.control`); hints.py their table
+    loads.py     the load life cycle for every source (disk, cluster), host -> device
+                 promotions, waiting for them
+    control.py   clients' hints: pin, retain, demote, drop (`store.control`); hints.py their
+                 table, pin_loads.py hard-pinned blocks brought into host
     capacity.py  make room: the policy proposes victims, evictions demote or drop
     index.py     blocks, copies, tier states and counters (BlockIndex)
     leases.py    leases and the sessions holding them (LeaseTable)
-    quotas.py    per-namespace quotas, and the victim picker that keeps their guarantees
+    quotas.py    per-namespace quotas (QuotaBook), and the victim picker that keeps their guarantees
     history.py   blocks that left the index, so a miss can say why
     results.py   what the calls return (PrefixMatch, WriteGrant, ReadGrant, ...)
     ports.py     what the core needs from mechanism: one narrow port per tier (Mechanism)
@@ -46,8 +50,8 @@ device page demotes it to host when host has no copy, and host evictions go on t
 With a cluster tier (a store shared by nodes, below disk), a lookup whose prefix ends
 here asks the cluster for the rest, outside the lock, and reports its hits as CLUSTER;
 `acquire` and `prefetch` file a new block per such key with a loading host copy and load
-it through the same path as a disk page (`Loads.start_new`: one load life cycle for every source). Committed pages are handed
-to the remote port's writer with their host copies held until it reports
+it through the same path as a disk page (`Loads.start_new`: one load life cycle for
+every source). Committed pages are handed to the remote port's writer with their host copies held until it reports
 (`cluster_write = commit`), or copied as they are demoted to disk (`demote`).
 
 Capacity failures are decided before anything changes: `victims` only proposes, so a
@@ -55,7 +59,7 @@ request that cannot be met raises CapacityError with every structure untouched.
 
 No disk I/O, hashing or populating runs under the lock on the request path: a request
 that must evict dirty host pages is run again after they are written outside it
-(kvtier.core.writes), a commit's pages are hashed for the slot table after it, and a
+(kvtier.core.writes, kvtier.core.disk_writes), a commit's pages are hashed for the slot table after it, and a
 borrow's fresh slots are populated after it.
 """
 from __future__ import annotations
@@ -73,8 +77,9 @@ from kvtier_client.tiers import Tier
 
 from kvtier.core.chunks import ChunkAllocator, DiskSpace
 from kvtier.core.capacity import Capacity
-from kvtier.core.cluster import ClusterCopies
+from kvtier.core.cluster import ClusterCopies, ClusterWrite
 from kvtier.core.control import CacheControl
+from kvtier.core.disk_writes import WRITE_BACK_BATCH, DiskWrites
 from kvtier.core.held import HeldCopy, held_copies
 from kvtier.core.hints import TierRanks
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
@@ -84,14 +89,15 @@ from kvtier.core.index import (
 from kvtier.core.leases import LeaseKind, LeaseRecord, LeaseTable
 from kvtier.core.loads import Loads
 from kvtier.core.ports import BlockEvents, Mechanism, PageRecord
-from kvtier.core.quotas import NO_QUOTA, Quota, check_quotas
+from kvtier.core.quotas import Quota, check_quotas
 from kvtier.core.reads import Reads
 from kvtier.core.results import (
     CommitOutcome, Explanation, GroupPages, NamespaceTierUsage, NamespaceUsage, PrefixMatch, ReadGrant,
     StoreUsage, TierUsage, WriteGrant,
 )
 from kvtier.core.slots import SlotAllocator
-from kvtier.core.writes import WRITE_BACK_BATCH, ClusterWrite, Writes
+from kvtier.core.rounds import Rounds
+from kvtier.core.writes import Writes
 from kvtier.policy import Admission, EvictionPolicy, LRUPolicy, Ref, Watched
 from kvtier.policy.classes import Ranked
 
@@ -166,17 +172,21 @@ class BlockStore:
             self._index.recover_disk(records)
         self._index.recover_host(adopted)
         self._leases = LeaseTable()
-        self._capacity = Capacity(self._index, ports, layout, admission)
-        self._loads = Loads(self._index, self._capacity, ports, layout, self._lock, prefetch_hold)
-        remote = ClusterCopies(self._index, self._capacity, self._loads, ports.remote, self._lock) if self.cluster else None
-        self._writes = Writes(self._index, self._leases, self._capacity, self._loads, ports, layout, self._lock,
-                              write_through=write_through, cluster=remote, cluster_write=self.cluster_write)
+        self._rounds = Rounds(self._lock, ports)
+        self._capacity = Capacity(self._index, ports, self._rounds, layout, admission)
+        self._loads = Loads(self._index, self._capacity, self._rounds, ports, layout, self._lock, prefetch_hold)
+        remote = ClusterCopies(self._index, self._loads, ports.remote, self._lock) if self.cluster else None
+        self._disk_writes = DiskWrites(self._index, self._capacity, self._rounds, ports, self._lock, layout.page_bytes,
+                                       remote, self.cluster_write)
+        self._capacity.write_out = self._disk_writes.write_out_first
+        self._writes = Writes(self._index, self._leases, self._capacity, self._rounds, self._disk_writes, ports,
+                              layout, self._lock, write_through=write_through, cluster=remote)
         self._reads = Reads(self._index, self._leases, self._loads, ports, self._lock, self._writes.run, remote)
         self._ports = ports
         for state in self._index.tiers.values():  # clients' hints rank victims in every tier
             state.policy = Ranked(state.policy, TierRanks(self._index.hints, state.tier))
         #: Clients' pins, retains, demotes and drops (kvtier.core.control).
-        self.control = CacheControl(self._index, self._capacity, self._lock, self._writes.run,
+        self.control = CacheControl(self._index, self._capacity, self._disk_writes, self._lock, self._writes.run,
                                     lambda session, namespace, keys: self.prefetch(session, namespace, keys))
 
     # -- read-only views, for invariants and tests ----------------------------
@@ -218,12 +228,12 @@ class BlockStore:
     def forgetting(self) -> set[PageRecord]:
         """Disk pages dropped from the index whose entries in the disk tier's own index are
         being deleted, outside the lock (a worker that just dropped a corrupt page)."""
-        return self._capacity.forgetting
+        return self._rounds.forgetting
 
     @property
     def saving(self) -> dict[Ref, PageRecord]:
         """Disk writes in flight: each saved block and the record it will be filed with."""
-        return self._capacity.saving
+        return self._disk_writes.saving
 
     # -- queries --------------------------------------------------------------
     def lookup(self, namespace: str, keys: list[bytes], known: int = 0) -> PrefixMatch:
@@ -272,7 +282,7 @@ class BlockStore:
         )
 
     def _namespace_usage(self, namespace: str, counters: NamespaceCounters) -> NamespaceUsage:
-        quota = self._capacity.quotas.get(namespace, NO_QUOTA)
+        quota = self._capacity.quotas.of(namespace)
         tiers = tuple(
             NamespaceTierUsage(tier, counters.pages[tier], quota.max_pages(tier), quota.guaranteed_pages(tier),
                                counters.hits[tier], counters.evictions[tier])
@@ -288,7 +298,7 @@ class BlockStore:
         ValueError, keeping the old quotas, if they cannot all be kept in this store's
         tiers. Evicts nothing now: they apply from each namespace's next allocation."""
         check_quotas(quotas, {tier: state.slots.capacity for tier, state in self._index.tiers.items()})
-        self._capacity.quotas = {ns: quota for ns, quota in quotas.items() if quota != NO_QUOTA}
+        self._capacity.quotas.set(quotas)
         self.control.fit_quotas()
 
     @_locked
@@ -379,7 +389,7 @@ class BlockStore:
         """Copy host-only (and device-only, through host) pages to disk at a clean stop, in
         durable batches, starting none after `deadline`; returns how many
         (kvtier.core.writes.Writes.persist says which go)."""
-        return self._writes.persist(deadline)
+        return self._disk_writes.persist(self._writes.run, deadline)
 
     # -- write-back: the pool's thread drives it ------------------------------
     def write_back(self, reserve: int, limit: int = WRITE_BACK_BATCH) -> int:
@@ -387,22 +397,22 @@ class BlockStore:
         free host pages the host policy would evict (kvtier.core.writes). Returns how many
         pages it wrote (0: nothing to do, or the write failed: the pages stay dirty, and
         write-back waits for new work)."""
-        return self._writes.write_back(reserve, limit)
+        return self._disk_writes.write_back(reserve, limit)
 
     def wait_write_back(self, timeout: float | None = None) -> bool:
         """Block until write-back may have work (a commit or a borrow since it last found
         none), or `timeout` seconds pass (False)."""
-        return self._writes.wait_write_back(timeout)
+        return self._disk_writes.wait_write_back(timeout)
 
     def wake_write_back(self) -> None:
         """Make a `wait_write_back` in progress return now (the thread is stopping)."""
-        self._writes.wake_write_back()
+        self._disk_writes.wake_write_back()
 
     def wait_saved(self, timeout: float | None = None) -> bool:
         """Block until no disk write and no disk index deletion is in flight (False if
         `timeout` passes first): a load that found a rotten page deletes its entry from its
         I/O thread after waking the request. For tests and benchmarks that need a quiet store."""
-        return self._writes.wait_saved(timeout)
+        return self._disk_writes.wait_saved(timeout)
 
     @_locked
     def unsaved(self) -> int:

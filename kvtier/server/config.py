@@ -22,7 +22,7 @@ from kvtier_client.integrations.daemon_settings import default_socket
 
 from kvtier.codecs import CODECS
 from kvtier.core.history import DEFAULT_HISTORY_SIZE
-from kvtier.core.writes import ClusterWrite
+from kvtier.core.cluster import ClusterWrite
 from kvtier.events import DEFAULT_CLUSTER_TOPIC, DEFAULT_ENGINE_PORT, DEFAULT_TOPIC, EventFormat
 from kvtier.mechanism.cluster.backends import check_url
 from kvtier.mechanism.disk import FsyncPolicy

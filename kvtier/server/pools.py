@@ -157,7 +157,7 @@ class Pool:
             self.hints = HintKeeper(self.store, hints_path, name=f"kvtier-hints-{layout.layout_id}")
             if self.disk is not None:
                 # Writes write-through pages and keeps a reserve of clean host pages, so a
-                # borrow rarely waits for a disk write (kvtier.core.writes).
+                # borrow rarely waits for a disk write (kvtier.core.disk_writes).
                 reserve, store = clean_reserve(host_pages), self.store
                 self.write_back = WriteBackThread(lambda: store.write_back(reserve), store.wait_write_back,
                                                   store.wake_write_back, name=f"kvtier-write-back-{layout.layout_id}")

@@ -210,3 +210,22 @@ def test_a_prefetch_with_a_deadline_holds_pages_already_in_host_until_then():
     assert where(s, "A", Tier.HOST) == {b"a", b"d", b"e"}
     with pytest.raises(InvalidArgument, match="deadline"):
         s.prefetch(S, "A", [b"a"], hold=601)
+
+
+def test_a_demote_to_a_full_disk_keeps_the_disk_copies_of_the_pages_it_demotes():
+    """A demote's write-out and an eviction's are one rule (DiskWrites.write_out_first): the
+    disk copy that makes a demoted page clean is never evicted to make room for another
+    demoted page, so no page is written twice (before, the demote's own copy of the rule
+    evicted a's disk copy for b, then wrote a again)."""
+    s = store(host=4, disk=2, policy=LRUPolicy)
+    put(s, "A", b"a")
+    assert s.write_back(reserve=4) == 1  # a: in host and on disk (clean), the disk's oldest
+    put(s, "A", b"c")
+    s.control.demote("A", [b"c"])  # the disk is full: a, c
+    put(s, "A", b"b")  # dirty: host only
+    written = s.stats().tier(Tier.DISK).counters.demotions
+    result = s.control.demote("A", [b"a", b"b"])
+    assert result.applied == 2, result.note
+    assert where(s, "A", Tier.DISK) == {b"a", b"b"} and not where(s, "A", Tier.HOST)
+    assert s.stats().tier(Tier.DISK).counters.demotions - written == 1  # b only
+    check_invariants(s)

@@ -1,4 +1,4 @@
-"""Disk writes outside the store's lock (kvtier.core.writes): eviction write-outs, write-back
+"""Disk writes outside the store's lock (kvtier.core.disk_writes): eviction write-outs, write-back
 and write-through, with a real BlockStore and a bookkeeping mover whose `store` can be held
 at a gate, so a test decides what happens while a write is in flight."""
 from __future__ import annotations
