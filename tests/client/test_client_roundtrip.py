@@ -255,8 +255,13 @@ def test_prefetch_hint(daemon, clients, namespace):
     keys = client.block_keys(tokens(32, seed=12))
     write_blocks(client, keys, kv_pages(2, LAYOUT, seed=12))
     assert client.prefetch(keys, priority=1) == len(keys)
-    with pytest.raises(InvalidArgument, match="device"):
-        client.prefetch(keys, tier=Tier.DEVICE)  # this daemon has no GPU
+    says = "prefetch loads pages into host, not device; an acquire into device promotes them from there"
+    with pytest.raises(ValueError, match=says) as refused:  # the client's check, before sending
+        client.prefetch(keys, tier=Tier.DEVICE)
+    assert not isinstance(refused.value, InvalidArgument)
+    # The daemon applies the same rule to a request that skipped it, on either transport.
+    with pytest.raises(InvalidArgument, match=says):
+        client._in_session(lambda s: s.path.prefetch(keys, Tier.DEVICE, 0, 0.0))
 
 
 def test_calls_before_register_say_so(daemon, clients):
