@@ -32,14 +32,8 @@ This module is the façade: it validates a request, and hands it to the room tha
     slots.py     a tier's free slots (SlotAllocator)
     bookkeeping.py  ports with no bytes, for replay and tests
 
-The engine's path to a page, in four hops:
-
-    borrow(n)    -> capacity.make_room(HOST, n) -> policy.victims -> evict (demote / drop)
-                 -> n host slots, leased for writing
-    commit(keys) -> each slot becomes a cached copy of its key (or is freed as a duplicate)
-    acquire(keys, HOST) -> loads.start: a loading host copy per disk-only block, read by
-                 the disk port's I/O workers; waits per the wait policy, then pins the ready prefix
-    release      -> unpins (read) or frees what was never committed (write)
+The engine's path to a page, hop by hop and what runs under the lock: docs/architecture.md,
+"The path of a page".
 
 On a GPU daemon a device tier sits above host. `acquire(keys, DEVICE)` first brings every
 page without a device copy into host exactly as above, then promotes the ready prefix
@@ -59,8 +53,8 @@ request that cannot be met raises CapacityError with every structure untouched.
 
 No disk I/O, hashing or populating runs under the lock on the request path: a request
 that must evict dirty host pages is run again after they are written outside it
-(kvtier.core.writes, kvtier.core.disk_writes), a commit's pages are hashed for the slot table after it, and a
-borrow's fresh slots are populated after it.
+(kvtier.core.writes, kvtier.core.disk_writes), a commit's pages are hashed for the slot
+table after it, and a borrow's fresh slots are populated after it.
 """
 from __future__ import annotations
 
