@@ -6,8 +6,10 @@ randomly initialised from configs (no downloads)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from kvtier_client.integrations.hf import (
     page_layout,
 )
 from kvtier_client.integrations.planner import LoadPlan, Planner
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +93,12 @@ def _made(make, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Daemon:
-    d = start_daemon(tmp_path_factory.mktemp("kvhf"), "--max-pools", "12", host_size="8MiB", disk_size="32MiB")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(tmp_path_factory.mktemp("kvhf"), "--max-pools", "12", "--metrics-port", str(port),
+                     host_size="8MiB", disk_size="32MiB")
+    d.metrics_port = port
     try:
         yield d
     finally:
@@ -446,6 +454,37 @@ def test_a_missing_state_stops_the_restore_at_a_boundary_that_has_one(grouped, c
     assert (out.logits - full[:, 32:]).abs().max().item() <= TOL
     again = cache.prefill(long)  # the prefill kept the state at 80
     assert again.restored.tokens == 80 and (again.logits - full[:, 80:]).abs().max().item() <= TOL
+
+
+def _calls(daemon: Daemon) -> dict[str, float]:
+    """The daemon's served calls so far, by method (every transport)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    calls: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "kvtier_rpc_duration_seconds_count":
+                method = sample.labels["method"]
+                calls[method] = calls.get(method, 0) + sample.value
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "granite4_h"])
+def test_a_hybrid_restore_asks_the_daemon_once_for_every_group(arch, grouped, client, daemon, namespace):
+    """A restore whose point moves down (window blocks missing, states missing) still asks
+    the daemon once: one LookupGroups over every group's pool, no Lookup per group and point."""
+    model = grouped[arch]
+    cache = _helper(model, client, namespace)
+    short = _prompt(40, seed=31)
+    cache.prefill(short)  # blocks 0 and 1 (and a state at 32)
+    long = torch.cat([short, _prompt(60, seed=32)], dim=1)  # 100 tokens: points 6 .. 3 miss, 2 is whole
+    before = _calls(daemon)
+    restored = cache.restore(long)
+    after = _calls(daemon)
+    assert restored.tokens == 32, restored.note
+    assert after.get("LookupGroups", 0) - before.get("LookupGroups", 0) == 1
+    assert after.get("Lookup", 0) == before.get("Lookup", 0)
+    cache.close()
 
 
 def test_state_every_keeps_states_a_shared_prefix_restores_from(grouped, client, namespace):

@@ -57,7 +57,7 @@ from kvtier_client.client import KVTierClient
 from kvtier_client.errors import CapacityError, FailedPrecondition, NotFound
 from kvtier_client.integrations import hf_pages as pages
 from kvtier_client.integrations.hf_groups import (
-    DEFAULT_BLOCK_TOKENS, CacheGroup, GroupKind, Need, PrefixSearch, cache_groups, layer_kinds, new_cache, page_layout,
+    DEFAULT_BLOCK_TOKENS, CacheGroup, GroupKind, GroupSearch, Need, cache_groups, layer_kinds, new_cache, page_layout,
     probe_states, restored_tokens,
 )
 from kvtier_client.integrations.hf_model import cache_argument, forward_parameters, model_fingerprint, model_namespace
@@ -306,7 +306,7 @@ class HFPrefixCache:
         if max_blocks is not None:
             usable = min(usable, max(0, max_blocks))
         keys = self._keys(tokens[: usable * B], salt)
-        search = PrefixSearch(self.groups, keys, {g.name: self.client_for(g).lookup for g in self.groups}, len(tokens))
+        search = GroupSearch(self.groups, keys, self.client_for(self.groups[0]).lookup_groups, len(tokens))
         cached, needs = search.point(usable)
         plan = self.planner.plan(search.plan_input(cached, needs))
         n = min(plan.load_blocks, cached)

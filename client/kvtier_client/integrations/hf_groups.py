@@ -14,8 +14,9 @@ nothing. kvtier keeps each kind as a *group* of layers with its own page layout:
 
 A window group stores every block it sees, but a restore reads only the trailing window;
 a state page exists only where one was taken (a block boundary), so the restore point is
-such a boundary. `PrefixSearch` finds the longest prefix for which every group has what
-it needs; pages missing inside a window or a state missing at the end make it stop earlier.
+such a boundary. `GroupSearch` finds the longest prefix for which every group has what
+it needs, in one LookupGroups call; pages missing inside a window or a state missing at the
+end make it stop earlier.
 
 Keys: the primary group (the full-attention one, else the first window group) uses plain
 block keys, so a plain transformer's keys are what any client computes; every other group's
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvtier_client.groups import GroupLookup, GroupMode, GroupQuery
 from kvtier_client.integrations.hf_model import kv_dtype, kv_shape
 from kvtier_client.keys import BlockKey
 from kvtier_client.layout import PageLayout
@@ -249,65 +251,47 @@ def restored_tokens(blocks: int, prompt_tokens: int, block_tokens: int) -> int:
     return min(blocks * block_tokens, prompt_tokens - 1) if blocks else 0
 
 
-class PrefixSearch:
-    """The longest prefix for which every group has what it needs, from lookups alone.
+class GroupSearch:
+    """The longest prefix for which every group has what it needs, in one daemon call
+    (KVTierClient.lookup_groups: the daemon applies kvtier_client.groups' rules over every
+    group's pool), and what each group then reads.
 
-    Candidate points only go down: a full group caps them at its cached prefix (one lookup);
-    a window missing block m moves them to m (its window then ends before m); a state missing
-    at point P moves them to P - 1. Each group is then checked again at the new point.
+    The daemon reasons in blocks: a window group asks for its trailing ceil(window / B)
+    blocks, which cover the tokens its layers read at any point, and a state group for the
+    page at the prefix's end. A state exists only at a block boundary, so with a state group
+    the candidate points stop where at least one prompt token is still left to prefill.
     """
 
     def __init__(self, groups: Sequence[CacheGroup], keys: dict[str, list[BlockKey]],
-                 lookups: dict[str, Callable[[Sequence[BlockKey]], LookupResult]], prompt_tokens: int) -> None:
+                 lookup_groups: Callable[[list[GroupQuery]], GroupLookup], prompt_tokens: int) -> None:
         self.groups = groups
         self.keys = keys
-        self.lookups = lookups
+        self.lookup_groups = lookup_groups
         self.prompt_tokens = prompt_tokens
-        self._prefix: dict[str, LookupResult] = {}
-
-    def prefix(self, group: CacheGroup) -> LookupResult:
-        """A full group's cached prefix of every key (looked up once)."""
-        if group.name not in self._prefix:
-            keys = self.keys[group.name]
-            self._prefix[group.name] = self.lookups[group.name](keys) if keys else LookupResult(0, ())
-        return self._prefix[group.name]
 
     def point(self, upper: int) -> tuple[int, tuple[Need, ...]]:
         """The largest restore point <= `upper` blocks every group can serve, and what each reads."""
-        blocks = upper
-        while blocks > 0:
-            needs = []
-            for group in self.groups:
-                need, below = self._check(group, blocks)
-                if need is None:
-                    blocks = below
-                    break
-                needs.append(need)
-            else:
-                return blocks, tuple(needs)
-        return 0, ()
-
-    def _check(self, group: CacheGroup, blocks: int) -> tuple[Need | None, int]:
-        """(what `group` reads at `blocks`, or None and a smaller point to try next)."""
-        B = group.layout.block_tokens
+        B = self.groups[0].layout.block_tokens
+        if any(g.kind is GroupKind.STATE for g in self.groups):
+            upper = min(upper, (self.prompt_tokens - 1) // B)  # then every point restores whole blocks
+        if upper <= 0:
+            return 0, ()
+        found = self.lookup_groups([GroupQuery(self.keys[g.name][:upper], GroupMode[g.kind.name],
+                                               -(-g.window // B) if g.kind is GroupKind.WINDOW else 0, g.layout)
+                                    for g in self.groups])
+        blocks = found.hit_blocks
+        if not blocks:
+            return 0, ()
         tokens = restored_tokens(blocks, self.prompt_tokens, B)
-        first, end = group.needs(blocks, tokens)
-        keys = self.keys[group.name]
-        if group.kind is GroupKind.FULL:
-            hit = self.prefix(group)
-            if end > hit.hit_blocks:
-                return None, hit.hit_blocks
-            return Need(group, first, end, tuple(hit.tiers[first:end])), blocks
-        if group.kind is GroupKind.STATE and tokens != blocks * B:
-            return None, blocks - 1  # a state is kept at block boundaries only
-        if first >= end:
-            return Need(group, first, first, ()), blocks
-        found = self.lookups[group.name](keys[first:end])
-        if found.hit_blocks < end - first:
-            return None, first + found.hit_blocks if group.kind is GroupKind.WINDOW else blocks - 1
-        return Need(group, first, end, tuple(found.tiers[: end - first])), blocks
+        needs = []
+        for group, hit in zip(self.groups, found.groups):
+            first, end = group.needs(blocks, tokens)  # within the blocks the daemon found for it
+            first = min(first, end)
+            needs.append(Need(group, first, end, hit.tiers[first - hit.first_block : end - hit.first_block]))
+        return blocks, tuple(needs)
 
-    def plan_input(self, blocks: int, needs: Sequence[Need]) -> LookupResult:
+    @staticmethod
+    def plan_input(blocks: int, needs: Sequence[Need]) -> LookupResult:
         """What a planner weighs for a `blocks` restore: the primary group's tier per block. A
         primary window group reads only its window: every block counts at its slowest tier
         (an over-estimate, so the planner errs towards recomputing)."""
@@ -315,5 +299,5 @@ class PrefixSearch:
             return LookupResult(0, ())
         primary = needs[0]
         if primary.group.kind is GroupKind.FULL:
-            return LookupResult(blocks, tuple(self.prefix(primary.group).tiers[:blocks]))
+            return LookupResult(blocks, tuple(primary.tiers[:blocks]))
         return LookupResult(blocks, (max(primary.tiers, default=Tier.HOST),) * blocks)
