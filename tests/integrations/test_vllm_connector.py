@@ -197,7 +197,8 @@ def test_kvtier_tier_changes_reach_vllms_publisher_as_kv_events(tmp_path):
     """The connector relays kvtier's tier changes of its own pages through vLLM's publisher
     (tests/integrations/vllm_event_checks.py: every event decoded with vLLM's classes): a
     page's disk write is a token-less BlockStored DISK under the commit's hashes, its host
-    eviction a BlockRemoved CPU; the relay survives a daemon restart and ends on shutdown."""
+    eviction a BlockRemoved CPU; the relay survives a daemon restart and ends on shutdown; a
+    hybrid model's groups are each told under their own group_idx and kind."""
     daemon = start_daemon(tmp_path, "--events", f"ipc://{tmp_path}/kvtier-events.ipc", "--write-through",
                           host_size="1MiB", disk_size="8MiB")
     try:
@@ -223,6 +224,9 @@ def test_kvtier_tier_changes_reach_vllms_publisher_as_kv_events(tmp_path):
     bounded = e["bounded"]
     assert bounded["withdrawn"] and bounded["disk"] and bounded["followed"] == 2, bounded
     assert e["off"] == {"relay": False, "events": 0, "threads_added": 0}
+    # Every group of a hybrid model is told, under its own group_idx and kind (was: group 0 only).
+    assert e["hybrid"] == {"cpu": {"0": ["full_attention", None, True], "1": ["sliding_window", 4096, True]},
+                           "disk": {"0": ["full_attention", None, True], "1": ["sliding_window", 4096, True]}}, e["hybrid"]
     assert e["threads_left"] == 0 and e["dropped"] == 0
     print(f"\nrelay: watching again {restart['watching_again_s']} s after the daemon restarted; "
           f"shutdown of 3 schedulers {e['shutdown_s']} s; {e['decoded']} events decoded")

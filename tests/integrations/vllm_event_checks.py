@@ -15,7 +15,9 @@ about the other engine's pages; (3) a second prompt, then the daemon stops (SIGT
 host tier goes, BlockRemoved CPU) and starts again (this script restarts it with
 --daemon-command): the relay watches again by itself, and a third prompt's disk write is
 relayed; (4) a connector that follows at most 2 pages withdraws the oldest; (5) with KV
-events off there is no relay at all. Reports what was decoded, per step.
+events off there is no relay at all; (6) a hybrid model's two groups (full attention and a
+sliding window): every group's pages are told, each under its group_idx and kind, both
+the commit and the disk write. Reports what was decoded, per step.
 """
 from __future__ import annotations
 
@@ -233,6 +235,51 @@ def tier_events(target: str, daemon_pid: int, daemon_command: list[str], workdir
         out["bounded"] = {"events": describe(got), "withdrawn": names(got, BlockRemoved, "CPU") == r4[:1],
                           "disk": names(got, BlockStored, "DISK") == r4[1:], "followed": small.tier_events.followed}
 
+        # (6) a hybrid model: a full-attention group and a sliding-window group, each its own keys.
+        # (A process may hold 2 event watches: the bounded connector's makes room for this one.)
+        small.shutdown()
+        small_worker.shutdown()
+        from kvtier_client.groups import GroupMode
+        from kvtier_client.integrations.vllm.kv_groups import KVGroup
+
+        window_names = [f"model.layers.{LAYERS + i}.self_attn.attn" for i in range(LAYERS)]
+        for name in window_names:
+            kv[name] = torch.randn(64, HEADS, BLOCK, 2 * HEAD_DIM)
+        sliding = KVGroup(1, GroupMode.WINDOW, -(-4096 // BLOCK), layout, tuple(window_names), tuple(range(LAYERS)),
+                          HEADS, b"|kv group 1 WINDOW 4096 0", BLOCK, sliding=4096, spec_kind="sliding_window",
+                          spec_window=4096)
+        hybrid_config = ConnectorConfig.from_extra({"target": target, "namespace": NAMESPACE, "planner": False,
+                                                    "prefetch": False}, default_namespace="x")
+        hybrid = KVTierScheduler([DaemonLink.open(hybrid_config, layout, "scheduler") for _ in range(2)],
+                                 [group, sliding], hybrid_config, BLOCK, do_load=True, do_save=True, events=True)
+        hybrid_worker = KVTierWorker([GroupViews(g, WorkerSlice(0, 0, HEADS, True, g.page_layers),
+                                                 DaemonLink.open(hybrid_config, layout, "worker"))
+                                      for g in (group, sliding)], None, "cpu")
+        hybrid_worker.register_kv_caches(kv)
+        started = time.monotonic()
+        while not hybrid.tier_events.watching and time.monotonic() - started < WAIT_S:
+            time.sleep(0.05)
+        request = Request("r6", [next(words) % 500 for _ in range(2 * BLOCK + 3)], SamplingParams(max_tokens=2),
+                          None, block_hasher=hasher)
+        hybrid.on_new_request(request)
+        hybrid.get_num_new_matched_tokens(request, 0)
+        hybrid.update_state_after_alloc(request, None, 0)
+        ids = tuple([1 + next(blocks) % 63 for _ in range(3)] for _ in range(2))
+        meta = hybrid.build_connector_meta(scheduler_output(
+            {"r6": len(request.prompt_token_ids)}, [NewRequestData.from_request(request, ids)]))
+        worker_hooks(hybrid_worker, meta, LAYER_NAMES + window_names)
+        hybrid.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=hybrid_worker.build_connector_worker_meta()))
+        hybrid.request_finished(request, [])
+        r6 = [maybe_convert_block_hash(h) for h in request.block_hashes[:2]]
+
+        def by_group(events: list, medium: str) -> dict:
+            return {str(e.group_idx): [e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_hashes == r6]
+                    for e in events if isinstance(e, BlockStored) and e.medium == medium}
+
+        got = collect(hybrid, lambda ev: len(by_group(ev, "DISK")) == 2)
+        out["hybrid"] = {"cpu": by_group(got, "CPU"), "disk": by_group(got, "DISK")}
+
         # (5) KV events off: no relay, no thread, no events.
         plain, plain_worker = engine({}, events=False)
         before = sum(t.name == "kvtier-tier-events" for t in threading.enumerate())
@@ -244,7 +291,7 @@ def tier_events(target: str, daemon_pid: int, daemon_command: list[str], workdir
         out["dropped"] = stats.data["kv_events_dropped"] if stats else 0
         # Shutdown ends the relay's thread.
         started = time.monotonic()
-        for s, w in ((scheduler, worker), (small, small_worker), (plain, plain_worker)):
+        for s, w in ((scheduler, worker), (plain, plain_worker), (hybrid, hybrid_worker)):
             s.shutdown()
             w.shutdown()
         out["shutdown_s"] = round(time.monotonic() - started, 3)

@@ -1,6 +1,7 @@
 """vLLM KV events for the blocks kvtier took: a BlockStored per run of consecutive prompt
-blocks, in vLLM's own format and with vLLM's own block hashes, for vLLM's KV event
-publisher (when the engine enables KV events). The payload is taken when the save is sent,
+blocks of each KV cache group, in vLLM's own format and with vLLM's own block hashes and
+group description (group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window), for vLLM's
+KV event publisher (when the engine enables KV events). The payload is taken when the save is sent,
 while the request is alive; the events are made once the commit says which pages were new.
 Later changes of those pages' tiers are tier_events.py's.
 """
@@ -23,6 +24,8 @@ from kvtier_client.tiers import Tier
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
     from vllm.v1.request import Request
+
+    from kvtier_client.integrations.vllm.kv_groups import KVGroup
 #: KV events: committed pages land in kvtier's host tier, node-local memory: vLLM's CPU
 #: medium (as its own offloading connector names host RAM), LOCAL, owned by "kvtier".
 EVENT_MEDIUM = DEFAULT_MEDIA[Tier.HOST]
@@ -41,8 +44,9 @@ class BlockPayload:
     lora_name: str | None
     session_id: str | None
 
-    def events(self, new: tuple[int, ...], block_size: int) -> list[BlockStored]:
-        """One BlockStored per run of consecutive blocks in `new` (the pages kvtier took)."""
+    def events(self, new: tuple[int, ...], block_size: int, group: KVGroup) -> list[BlockStored]:
+        """One BlockStored per run of consecutive blocks in `new` (the pages kvtier took of
+        `group`), naming the group as vLLM's own events do."""
         runs: list[list[int]] = []
         for i in new:
             if runs and runs[-1][-1] == i - 1:
@@ -58,7 +62,8 @@ class BlockPayload:
                 parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
                 token_ids=self.token_ids[first * block_size : end * block_size],
                 block_size=block_size, lora_id=self.lora_id, medium=EVENT_MEDIUM, lora_name=self.lora_name,
-                extra_keys=to_event_extra_keys(self.extra_keys[first:end]), group_idx=0,
+                extra_keys=to_event_extra_keys(self.extra_keys[first:end]), group_idx=group.index,
+                kv_cache_spec_kind=group.spec_kind or None, kv_cache_spec_sliding_window=group.spec_window,
                 locality=EVENT_LOCALITY, ownership=OWNERSHIP, session_id=self.session_id,
             ))
         return out

@@ -50,6 +50,8 @@ class KVGroup:
     block_size: int = 0  # vLLM's block: a page holds layout.block_tokens // block_size of them
     sliding: int = 0  # tokens of a sliding window (vLLM frees the blocks behind it)
     chunk: int = 0  # tokens of a local-attention chunk (vLLM frees the chunks before the current one)
+    spec_kind: str = ""  # vLLM's KVCacheSpecKind of the group, as KV events name it
+    spec_window: int | None = None  # vLLM's sliding window of the group, as KV events name it
 
     @property
     def blocks_per_page(self) -> int:
@@ -96,9 +98,18 @@ def kv_groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, page_toke
         # The group's rule is in its keys: one checkpoint run with and without its sliding
         # window computes different KV.
         salt = b"" if single and mode is GroupMode.FULL else f"|kv group {index} {mode.name} {sliding} {chunk}".encode()
+        kind, spec_window = _event_identity(spec)
         out.append(KVGroup(index, mode, window, layout, names, page_layers, spec.num_kv_heads, salt, block_size,
-                           sliding, chunk))
+                           sliding, chunk, kind, spec_window))
     return out
+
+
+def _event_identity(spec: KVCacheSpec) -> tuple[str, int | None]:
+    """How vLLM's own KV events describe a group (kv_cache_spec_kind and _sliding_window),
+    so a router reads kvtier's events of every group as it reads vLLM's."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
 
 
 def _need(spec: KVCacheSpec, block_size: int, page: int) -> tuple[GroupMode, int]:
@@ -152,5 +163,8 @@ def single_group(layout: PageLayout, layer_names: list[str], local_heads: int | 
                  block_size: int | None = None) -> KVGroup:
     """The one group of a full-attention model whose local layer i is page layer i (for tools
     and tests that build the connector's halves without an engine)."""
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
     return KVGroup(0, GroupMode.FULL, 0, layout, tuple(layer_names), tuple(range(len(layer_names))),
-                   layout.kv_heads if local_heads is None else local_heads, b"", block_size or layout.block_tokens)
+                   layout.kv_heads if local_heads is None else local_heads, b"", block_size or layout.block_tokens,
+                   spec_kind=KVCacheSpecKind.FULL_ATTENTION.value)

@@ -110,7 +110,7 @@ class KVTierScheduler:
         self.saves = Saves(links, frozenset(range(workers)))
         #: KV events on: the commits' BlockStored and kvtier's later tier changes (None: off, no thread).
         self.tier_events = TierEvents(config.client(f"vllm events pid {os.getpid()}", map_arena=False),
-                                      config.namespace, block_size=block_size, per_page=self.per_page,
+                                      config.namespace, groups, block_size=block_size, per_page=self.per_page,
                                       hash_block_size=self.hash_block_size,
                                       max_pages=config.kv_events_pages) if events else None
         self.planner = Planner(self.kv) if config.use_planner else None
@@ -254,7 +254,8 @@ class KVTierScheduler:
         state.loaded_tokens += num_external_tokens
         state.candidate = None
         if self.tier_events is not None:
-            self.tier_events.loaded(request, state.keys, start, end)
+            for g, need in enumerate(state.load_needs):  # each group's pages this load reads
+                self.tier_events.loaded(request, g, state.group_keys[g], max(start, need.start), need.stop)
         if state.candidate_async:
             # The request waits (vLLM's WAITING_FOR_REMOTE_KVS) and is not scheduled until the
             # load is done: its LoadOps go out with the next metadata, from these blocks.
@@ -377,7 +378,7 @@ class KVTierScheduler:
             keys = state.group_keys[g]
             meta.saves.append(SaveOp(req_id, first, state.block_ids[g][first * k : full * k], list(lease.slots), g))
             payload = None
-            if g == 0 and self.tier_events is not None:
+            if self.tier_events is not None:
                 payload = block_payload(state.request, first * k, full * k, self.block_size, self.hash_block_size)
                 if payload is not None:
                     self.tier_events.expect(keys[first:full])
@@ -423,6 +424,8 @@ class KVTierScheduler:
             self._stats.add(store_failed_blocks=len(sent.keys))
         else:
             self._stats.add(store_blocks=len(new), store_duplicate_blocks=len(sent.keys) - len(new))
+        if sent.event is not None and self.tier_events is not None:
+            self.tier_events.committed(end.group, sent.keys, new, sent.event)
         if end.group != 0:
             return
         state = self._requests.get(end.req_id)
@@ -430,8 +433,6 @@ class KVTierScheduler:
             state.stored_blocks -= len(sent.keys) - len(new or ())
         if new is None:
             self.saves.unmark(sent.keys, end.req_id)
-        if sent.event is not None and self.tier_events is not None:
-            self.tier_events.committed(sent.keys, new, sent.event)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.tier_events.take() if self.tier_events is not None else ()

@@ -11,8 +11,8 @@ BlockStored without token ids, which routers read as "this pod holds these block
 too"; a copy leaving one is a BlockRemoved of that tier's medium. Pages other engines
 stored in a shared namespace are theirs to announce.
 
-Each page the relay follows (kvtier key -> its vLLM hashes, first group only) remembers the
-tiers the router was told of, so every event it sends changes what the router holds: an
+Each page the relay follows (kvtier key -> its KV cache group and vLLM hashes; every group's
+pages have keys of their own) remembers the tiers the router was told of, so every event it sends changes what the router holds: an
 entry goes when it has no tier left, and the least recently changed entry goes (its tiers
 withdrawn) when there are more than `max_pages` (about 260 bytes a page of one block). An
 event that finds the queue full is dropped and counted, and what it would have said is not
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from kvtier_client.client import KVTierClient
     from kvtier_client.integrations.vllm.events import BlockPayload
+    from kvtier_client.integrations.vllm.kv_groups import KVGroup
 
 #: vLLM events waiting for vLLM's `take_events` (it takes them every engine step).
 MAX_QUEUED_EVENTS = 100_000
@@ -53,8 +54,10 @@ RETRY_FIRST, RETRY_MOST = 0.25, 10.0
 #: The tiers a daemon takes with it when it stops: disk and cluster copies outlive it.
 _GONE_WITH_DAEMON = (Tier.DEVICE, Tier.HOST)
 #: A followed page, as compact as it can be (a million of them are kept): the tiers the
-#: router was told of (a bit per tier, `1 << tier`), then the page's vLLM block hashes.
+#: router was told of (a bit per tier, `1 << tier`), its group's index in `groups`, then the
+#: page's vLLM block hashes.
 Followed = tuple
+_HASHES = 2  # where a Followed's hashes start
 #: vLLM's `locality`: the cluster tier is storage shared by nodes, the others this node's.
 _LOCALITY = {Tier.CLUSTER: "REMOTE"}
 
@@ -63,27 +66,29 @@ def tiers_of(page: Followed) -> list[Tier]:
     return [tier for tier in Tier if page[0] >> tier & 1]
 
 
-def stored_event(hashes: list[ExternalBlockHash], tier: Tier, block_size: int) -> BlockStored:
-    """A location update: these known blocks are also in `tier` (no token ids)."""
+def stored_event(hashes: list[ExternalBlockHash], tier: Tier, block_size: int, group: KVGroup) -> BlockStored:
+    """A location update: these known blocks of `group` are also in `tier` (no token ids)."""
     return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=block_size,
-                       lora_id=None, medium=DEFAULT_MEDIA[tier], lora_name=None, group_idx=0,
+                       lora_id=None, medium=DEFAULT_MEDIA[tier], lora_name=None, group_idx=group.index,
+                       kv_cache_spec_kind=group.spec_kind or None, kv_cache_spec_sliding_window=group.spec_window,
                        locality=_LOCALITY.get(tier, "LOCAL"), ownership=OWNERSHIP)
 
 
-def removed_event(hashes: list[ExternalBlockHash], tier: Tier) -> BlockRemoved:
-    return BlockRemoved(block_hashes=hashes, medium=DEFAULT_MEDIA[tier], group_idx=0,
+def removed_event(hashes: list[ExternalBlockHash], tier: Tier, group: KVGroup) -> BlockRemoved:
+    return BlockRemoved(block_hashes=hashes, medium=DEFAULT_MEDIA[tier], group_idx=group.index,
                         locality=_LOCALITY.get(tier, "LOCAL"), ownership=OWNERSHIP)
 
 
 class TierEvents:
     """The relay (module docstring). `client`: its own connection to the daemon (no session:
-    it only watches), closed with the relay; `block_size`, `per_page`: vLLM's block and how
-    many of them a kvtier page holds; `hash_block_size`: the granularity of vLLM's request
-    hashes; `max_pages`: pages followed at most."""
+    it only watches), closed with the relay; `groups`: the engine's KV cache groups;
+    `block_size`, `per_page`: vLLM's block and how many of them a kvtier page holds;
+    `hash_block_size`: the granularity of vLLM's request hashes; `max_pages`: pages followed
+    at most."""
 
-    def __init__(self, client: KVTierClient, namespace: str, *, block_size: int, per_page: int, hash_block_size: int,
-                 max_pages: int, max_queued: int = MAX_QUEUED_EVENTS) -> None:
-        self._client, self._namespace = client, namespace
+    def __init__(self, client: KVTierClient, namespace: str, groups: Sequence[KVGroup], *, block_size: int,
+                 per_page: int, hash_block_size: int, max_pages: int, max_queued: int = MAX_QUEUED_EVENTS) -> None:
+        self._client, self._namespace, self._groups = client, namespace, tuple(groups)
         self._block_size, self._per_page, self._hash_block_size = block_size, per_page, hash_block_size
         self._max_pages, self._max_queued = max_pages, max_queued
         self._pages: OrderedDict[BlockKey, Followed] = OrderedDict()  # least recently changed first
@@ -105,33 +110,33 @@ class TierEvents:
             for key in keys:
                 self._pending[key] = self._pending.get(key, 0) + 1
 
-    def committed(self, keys: list[BlockKey], new: tuple[int, ...] | None, payload: BlockPayload) -> None:
-        """A save ended: `new`, the indices of the keys the daemon took (None: none). Queues
-        their BlockStored (with the token ids, medium CPU), follows them from now on, and
-        applies what the daemon said of them meanwhile."""
+    def committed(self, group: int, keys: list[BlockKey], new: tuple[int, ...] | None, payload: BlockPayload) -> None:
+        """A save of pages of group `group` (its index) ended: `new`, the indices of the keys
+        the daemon took (None: none). Queues their BlockStored (with the token ids, medium
+        CPU), follows them from now on, and applies what the daemon said of them meanwhile."""
         with self._lock:
             for key in keys:
                 if (count := self._pending.pop(key, 0)) > 1:
                     self._pending[key] = count - 1
             if new:
                 blocks = tuple(p * self._per_page + j for p in new for j in range(self._per_page))
-                if self._put(payload.events(blocks, self._block_size)):
+                if self._put(payload.events(blocks, self._block_size, self._groups[group])):
                     for p in new:
-                        self._follow(keys[p], payload.page_hashes(p, self._per_page), 1 << Tier.HOST)
+                        self._follow(keys[p], group, payload.page_hashes(p, self._per_page), 1 << Tier.HOST)
             held, self._held = self._held, []
             for event in held:
                 self._apply(event)
 
-    def loaded(self, request: Request, keys: list[BlockKey], start: int, end: int) -> None:
-        """This engine loads pages [start, end) of `request` (`keys`: its page keys; vLLM
-        announces its own copies of them): follow them too."""
+    def loaded(self, request: Request, group: int, keys: list[BlockKey], start: int, end: int) -> None:
+        """This engine loads pages [start, end) of group `group` of `request` (`keys`: the
+        group's page keys; vLLM announces its own copies of them): follow them too."""
         hashes = page_hashes(request, start, end, self._per_page, self._block_size, self._hash_block_size)
         with self._lock:
             for key, blocks in zip(keys[start:end], hashes or ()):
                 if key in self._pages:
                     self._pages.move_to_end(key)
                 else:
-                    self._follow(key, blocks, 0)
+                    self._follow(key, group, blocks, 0)
 
     def take(self) -> list[KVCacheEvent]:
         """The events for vLLM's publisher, oldest first."""
@@ -179,14 +184,23 @@ class TierEvents:
         self._queue.extend(events)
         return True
 
-    def _follow(self, key: BlockKey, hashes: tuple[ExternalBlockHash, ...], tiers: int) -> None:
+    def _follow(self, key: BlockKey, group: int, hashes: tuple[ExternalBlockHash, ...], tiers: int) -> None:
         if (old := self._pages.get(key)) is not None:
             tiers |= old[0]  # never forget a tier the router was told of: only a removal takes it back
-        self._pages[key] = (tiers, *hashes)
+        self._pages[key] = (tiers, group, *hashes)
         self._pages.move_to_end(key)
         while len(self._pages) > self._max_pages:  # withdraw what can no longer be followed
             _, oldest = self._pages.popitem(last=False)
-            self._put([removed_event(list(oldest[1:]), tier) for tier in tiers_of(oldest)])
+            self._put([removed_event(list(oldest[_HASHES:]), tier, self._groups[oldest[1]])
+                       for tier in tiers_of(oldest)])
+
+    def _by_group(self, keys: list[BlockKey]) -> dict[int, list[ExternalBlockHash]]:
+        """The vLLM hashes of these followed pages, by group index (one vLLM event each)."""
+        hashes: dict[int, list[ExternalBlockHash]] = {}
+        for key in keys:
+            page = self._pages[key]
+            hashes.setdefault(page[1], []).extend(page[_HASHES:])
+        return hashes
 
     def _apply(self, event: KVEvent) -> None:
         """One daemon event: what it changes of the pages followed, as one vLLM event."""
@@ -204,9 +218,10 @@ class TierEvents:
         if hold and len(self._held) < MAX_HELD_EVENTS:
             self._held.append(event)  # applied again once those saves end (what is applied now is then no change)
         if changed:
-            hashes = [h for key in changed for h in self._pages[key][1:]]
-            if self._put([stored_event(hashes, event.tier, self._block_size) if stored
-                          else removed_event(hashes, event.tier)]):  # else the router is not told, nor the book
+            groups = self._groups
+            events = [stored_event(hashes, event.tier, self._block_size, groups[g]) if stored
+                      else removed_event(hashes, event.tier, groups[g]) for g, hashes in self._by_group(changed).items()]
+            if self._put(events):  # else the router is not told, nor the book
                 self._mark(changed, bit, stored)
 
     def _mark(self, keys: list[BlockKey], bit: int, present: bool) -> None:
@@ -233,7 +248,8 @@ class TierEvents:
                 for tier in _GONE_WITH_DAEMON:
                     bit = 1 << tier
                     held = [k for k in chunk if self._pages[k][0] & bit]
-                    if held and self._put([removed_event([h for k in held for h in self._pages[k][1:]], tier)]):
+                    if held and self._put([removed_event(hashes, tier, self._groups[g])
+                                           for g, hashes in self._by_group(held).items()]):
                         self._mark(held, bit, False)
                         chunk = [k for k in chunk if k in self._pages]
 
