@@ -323,8 +323,9 @@ _TIER_SECTIONS = (7, 8)
 
 
 def _stored_columns(t: pb.TierStats, page_bytes: int) -> tuple[str, str, str]:
-    """Raw bytes (as engines wrote them), stored bytes (as the tier's codecs keep them, of
-    its room) and their ratio: what the codecs buy. Dashes where a tier does not count bytes."""
+    """Raw bytes (as engines wrote them), stored bytes (the encoded bytes the tier's codecs
+    keep, not the chunk-rounded room they take) of the tier's capacity, and their ratio: what
+    the codecs buy. Dashes where a tier does not count bytes."""
     if not t.capacity_bytes:
         return "-", "-", "-"
     raw = t.cached_pages * page_bytes
