@@ -39,7 +39,7 @@ def test_no_file_names_the_shared_data_by_an_absolute_path():
 
 
 def test_the_pattern_tells_absolute_paths_from_relative_ones():
-    assert ABSOLUTE.search('"trace": "/work/shared/data/mooncake/conversation_trace.jsonl"')
+    assert ABSOLUTE.search('"trace": "/opt/ci-clone/shared/data/mooncake/conversation_trace.jsonl"')
     assert ABSOLUTE.search("see /srv/ci/shared/data/mooncake/README.md")
     assert not ABSOLUTE.search('"trace": "../shared/data/mooncake/conversation_trace.jsonl"')
     assert not ABSOLUTE.search("<repository>/../shared/data")
