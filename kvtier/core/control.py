@@ -34,7 +34,7 @@ from kvtier_client.tiers import Tier
 from kvtier.core.capacity import Capacity
 from kvtier.core.disk_writes import DiskWrites
 from kvtier.core.hints import Hint, HintTable
-from kvtier.core.index import Block, BlockIndex, check_keys, check_namespace
+from kvtier.core.index import BlockIndex, check_keys, check_namespace
 from kvtier.core.pin_loads import PinLoads
 from kvtier.policy.classes import Rank
 

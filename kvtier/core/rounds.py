@@ -58,13 +58,13 @@ class Rounds:
                 yield
             finally:
                 mine.depth = outer
-                forgets, staged = ([], []) if outer else (self.take_forgets(), self._take_staged())
+                forgets, staged = ([], []) if outer else (self._take_forgets(), self._take_staged())
                 if not outer:
                     mine.tried = None
         self.ports.host.publish(staged)
         self.forget(forgets)
 
-    def take_forgets(self) -> list[PageRecord]:
+    def _take_forgets(self) -> list[PageRecord]:
         """The queued deletions, now in flight until deleted (`forget`)."""
         forgets, self.forgets = self.forgets, []
         self.forgetting.update(forgets)

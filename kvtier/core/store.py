@@ -33,20 +33,13 @@ This module is the façade: it validates a request, and hands it to the room tha
     bookkeeping.py  ports with no bytes, for replay and tests
 
 The engine's path to a page, hop by hop and what runs under the lock: docs/architecture.md,
-"The path of a page".
-
-On a GPU daemon a device tier sits above host. `acquire(keys, DEVICE)` first brings every
-page without a device copy into host exactly as above, then promotes the ready prefix
-host -> device in one copy-engine submission and returns at once: the lease carries the
-submission's interprocess CUDA event, which the engine waits on before reading. Evicting a
-device page demotes it to host when host has no copy, and host evictions go on to disk.
-
-With a cluster tier (a store shared by nodes, below disk), a lookup whose prefix ends
-here asks the cluster for the rest, outside the lock, and reports its hits as CLUSTER;
-`acquire` and `prefetch` file a new block per such key with a loading host copy and load
-it through the same path as a disk page (`Loads.start_new`: one load life cycle for
-every source). Committed pages are handed to the remote port's writer with their host copies held until it reports
-(`cluster_write = commit`), or copied as they are demoted to disk (`demote`).
+"The path of a page". On a GPU daemon `acquire(keys, DEVICE)` first brings every page into
+host that way, then promotes the ready prefix host -> device in one copy-engine submission
+whose interprocess CUDA event the lease carries; an evicted device page is demoted to host
+when host has no copy. With a cluster tier (shared by nodes, below disk) a lookup asks the
+cluster for the rest of its prefix outside the lock; `acquire` and `prefetch` load such
+keys through the same load life cycle (`Loads.start_new`), and committed pages go to the
+cluster writer at commit or as they are demoted (`cluster_write`).
 
 Capacity failures are decided before anything changes: `victims` only proposes, so a
 request that cannot be met raises CapacityError with every structure untouched.
@@ -174,7 +167,7 @@ class BlockStore:
                                        remote, self.cluster_write)
         self._capacity.write_out = self._disk_writes.write_out_first
         self._writes = Writes(self._index, self._leases, self._capacity, self._rounds, self._disk_writes, ports,
-                              layout, self._lock, write_through=write_through, cluster=remote)
+                              layout, write_through=write_through, cluster=remote)
         self._reads = Reads(self._index, self._leases, self._loads, ports, self._lock, self._writes.run, remote)
         self._ports = ports
         for state in self._index.tiers.values():  # clients' hints rank victims in every tier

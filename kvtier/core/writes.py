@@ -11,7 +11,6 @@ request again from the start.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -36,8 +35,8 @@ T = TypeVar("T")
 
 class Writes:
     def __init__(self, index: BlockIndex, leases: LeaseTable, capacity: Capacity, rounds: Rounds,
-                 disk_writes: DiskWrites, ports: Mechanism, layout: PageLayout, lock: threading.RLock, *,
-                 write_through: bool, cluster: ClusterCopies | None) -> None:
+                 disk_writes: DiskWrites, ports: Mechanism, layout: PageLayout, *, write_through: bool,
+                 cluster: ClusterCopies | None) -> None:
         self.index = index
         self.leases = leases
         self.capacity = capacity
@@ -47,7 +46,6 @@ class Writes:
         self.layout = layout
         self.write_through = write_through and Tier.DISK in index.tiers
         self.cluster = cluster
-        self._lock = lock
 
     # -- the loop every request runs in -----------------------------------------
     def run(self, call: Callable[[], T]) -> T:
